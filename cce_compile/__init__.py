@@ -1,0 +1,51 @@
+"""cce_compile: Cut Cross-Entropy as a torch.compile graph rewrite.
+
+Public surface::
+
+    torch.compile(model, backend=cce_compile.backend)   # or backend="cce"
+    cce_compile.enable() / cce_compile.disable()        # plain torch.compile(model)
+    cce_compile.linear_cross_entropy(hidden, classifier, targets, ...)
+    cce_compile.explain(fn_or_model, *args, **kwargs)
+    cce_compile.config                                   # settings (see README)
+
+Attributes load lazily, so ``import cce_compile`` (and the CCE_COMPILE=1 start-up hook) does
+not import torch until something is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from . import config
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "linear_cross_entropy": ("functional", "linear_cross_entropy"),
+    "backend": ("backend", "backend"),
+    "enable": ("passes.install", "enable"),
+    "disable": ("passes.install", "disable"),
+    "explain": ("passes.report", "explain"),
+}
+
+__all__ = ["backend", "config", "disable", "enable", "explain", "linear_cross_entropy"]
+
+if TYPE_CHECKING:
+    from .backend import backend
+    from .functional import linear_cross_entropy
+    from .passes.install import disable, enable
+    from .passes.report import explain
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(f".{module}", __name__), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'cce_compile' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

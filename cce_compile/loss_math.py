@@ -1,0 +1,183 @@
+"""The loss in closed form, from three per-row statistics of the logits.
+
+Both implementations (the chunked reference and the Triton path) reduce the N x V logits to
+per-row statistics and share everything after that here, so PyTorch's conventions are written
+once. With ``z = softcap(logit_scale * (hidden @ classifier.T + bias))`` and ``w`` the class
+weights (all ones when absent), each row ``i`` with target ``t`` needs:
+
+* ``lse_i    = logsumexp_j z_ij``
+* ``target_i = z_it``                       (the target logit)
+* ``wsum_i   = sum_j w_j z_ij``             (only with label smoothing)
+
+PyTorch's cross_entropy is then, per non-ignored row (eps = label_smoothing, V classes)::
+
+    ce_i = (1 - eps) * w_t * (lse_i - target_i) + eps / V * (W * lse_i - wsum_i),  W = sum_j w_j
+
+reduced by 'sum', by 'none' (0 at ignored rows) or by 'mean' = sum_i ce_i / sum_i w_t (nan when
+every row is ignored, as in PyTorch). The z-loss adds ``z_loss * lse_i**2`` per non-ignored row,
+reduced the same way except that 'mean' divides it by the number of non-ignored rows (an
+unweighted mean, as PaLM and OLMo define it).
+
+The gradient with respect to z is, with p = softmax(z) and upstream factors ``a`` (for ce),
+``b`` (for the z-loss) and ``g`` (the gradient of the returned lse, if any)::
+
+    dz_ij = coef_p_i * p_ij - coef_t_i * [j == t] - coef_w_i * w_j
+    coef_p_i = a_i * ((1 - eps) * w_t + eps / V * W) + 2 * z_loss * b_i * lse_i + g_i
+    coef_t_i = a_i * (1 - eps) * w_t,     coef_w_i = a_i * eps / V
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+REDUCTIONS = ("none", "mean", "sum")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """The static options of one loss: everything but the tensors."""
+
+    ignore_index: int = -100
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+    softcap: float = 0.0  # 0 means no softcap
+    logit_scale: float = 1.0
+    shift: int = 0
+    z_loss: float = 0.0
+
+    @property
+    def needs_wsum(self) -> bool:
+        return self.label_smoothing > 0.0
+
+
+@dataclasses.dataclass
+class RowTargets:
+    """Targets of the loss's rows (flattened to N = B * (T - shift)) and what follows from them.
+
+    The row tensors are 1-D; the totals are 0-d tensors over all rows, so a slice of rows keeps
+    the normalisers of the whole batch.
+    """
+
+    targets: torch.Tensor  # (N,) int, as given
+    valid: torch.Tensor  # bool: not ignore_index
+    safe: torch.Tensor  # int64 targets clamped into [0, V): usable as an index
+    out_of_range: torch.Tensor  # bool: valid but outside [0, V)
+    weight: torch.Tensor  # float32 w_t, 0 at ignored rows
+    weight_total: torch.Tensor  # float32 W = sum_j w_j (V without class weights)
+    weight_sum: torch.Tensor  # float32 sum of w_t over rows: the 'mean' divisor
+    count: torch.Tensor  # float32 number of non-ignored rows: the z-loss 'mean' divisor
+
+    def slice(self, start: int, stop: int) -> RowTargets:
+        return dataclasses.replace(
+            self,
+            targets=self.targets[start:stop],
+            valid=self.valid[start:stop],
+            safe=self.safe[start:stop],
+            out_of_range=self.out_of_range[start:stop],
+            weight=self.weight[start:stop],
+        )
+
+
+def row_targets(
+    targets: torch.Tensor, class_weights: torch.Tensor | None, spec: LossSpec, vocab: int
+) -> RowTargets:
+    """Align ``targets`` (B, T) with the rows (B, T - shift), flatten, and look up weights."""
+    rows = targets[:, spec.shift :].reshape(-1)
+    valid = rows != spec.ignore_index
+    in_range = (rows >= 0) & (rows < vocab)
+    safe = torch.where(in_range, rows, 0).long()
+    if class_weights is None:
+        weight = valid.float()
+        weight_total = torch.full((), float(vocab), device=targets.device)
+    else:
+        cw = class_weights.float()
+        weight = torch.where(valid, cw[safe], 0.0)
+        weight_total = cw.sum()
+    return RowTargets(
+        targets=rows,
+        valid=valid,
+        safe=safe,
+        out_of_range=valid & ~in_range,
+        weight=weight,
+        weight_total=weight_total,
+        weight_sum=weight.sum(),
+        count=valid.sum().float(),
+    )
+
+
+def finish_loss(
+    lse: torch.Tensor,
+    target_logit: torch.Tensor,
+    wsum: torch.Tensor | None,
+    rows: RowTargets,
+    spec: LossSpec,
+    vocab: int,
+) -> torch.Tensor:
+    """The loss from per-row statistics (float32, (N,)): a scalar, or (N,) for 'none'."""
+    eps = spec.label_smoothing
+    nll = lse - target_logit
+    per_row = (1.0 - eps) * rows.weight * nll
+    if eps > 0.0:
+        assert wsum is not None
+        per_row = per_row + (eps / vocab) * (rows.weight_total * lse - wsum)
+    # where(), not a product: a non-finite logit on an ignored row must not leak into the loss.
+    per_row = torch.where(rows.valid, per_row, 0.0)
+    z_term = torch.where(rows.valid, spec.z_loss * lse * lse, 0.0) if spec.z_loss else None
+    # Out-of-range targets (GPU, unchecked) must never give a plausible number.
+    per_row = torch.where(rows.out_of_range, float("nan"), per_row)
+    if spec.reduction == "none":
+        return per_row if z_term is None else per_row + z_term
+    if spec.reduction == "sum":
+        total = per_row.sum()
+        return total if z_term is None else total + z_term.sum()
+    loss = per_row.sum() / rows.weight_sum
+    if z_term is not None:
+        loss = loss + z_term.sum() / rows.count
+    return loss
+
+
+def row_coefficients(
+    grad_loss: torch.Tensor | None,
+    grad_lse: torch.Tensor | None,
+    lse: torch.Tensor,
+    rows: RowTargets,
+    spec: LossSpec,
+    vocab: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row (coef_p, coef_t, coef_w) of dz = coef_p * p - coef_t * onehot - coef_w * w.
+
+    ``grad_loss`` is the upstream gradient of the loss (a scalar for 'mean'/'sum', rows-shaped
+    for 'none'), ``grad_lse`` that of the returned lse; either may be None (no gradient).
+    """
+    eps = spec.label_smoothing
+    zeros = torch.zeros_like(lse)
+    if grad_loss is None:
+        ce_factor = z_factor = zeros
+    else:
+        g = grad_loss.float()
+        if spec.reduction == "mean":
+            ce_factor = (g / rows.weight_sum).expand_as(lse)
+            z_factor = (g / rows.count).expand_as(lse)
+        else:
+            ce_factor = z_factor = g.expand_as(lse)
+        ce_factor = torch.where(rows.valid, ce_factor, 0.0)
+        z_factor = torch.where(rows.valid, z_factor, 0.0)
+    coef_t = ce_factor * (1.0 - eps) * rows.weight
+    coef_w = ce_factor * (eps / vocab)
+    coef_p = coef_t + coef_w * rows.weight_total
+    if spec.z_loss:
+        coef_p = coef_p + 2.0 * spec.z_loss * z_factor * lse
+    if grad_lse is not None:
+        coef_p = coef_p + grad_lse.float()
+    bad = rows.out_of_range
+    coef_p = torch.where(bad, float("nan"), coef_p)
+    return coef_p, coef_t, coef_w
+
+
+def check_targets_in_range(rows: RowTargets, vocab: int) -> None:
+    """Raise like PyTorch on a target outside [0, V) (host sync: CPU or debug mode only)."""
+    if bool(rows.out_of_range.any()):
+        bad = rows.targets[rows.out_of_range][0].item()
+        raise IndexError(f"Target {bad} is out of bounds for {vocab} classes (targets).")

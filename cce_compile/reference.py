@@ -1,0 +1,247 @@
+"""The pure-PyTorch implementation: the CPU path, and the fast companion of the test oracle.
+
+Rows are processed in chunks so that at most one chunk of float32 logits exists at a time
+(never N x V). Everything is accumulated in float32 and matches float32 math to rounding.
+
+Shapes follow the op's canonical form: ``hidden`` (B, T, D), ``targets`` (B, T); row ``r`` of
+the loss is ``hidden[b, t]`` predicting ``targets[b, t + shift]`` with ``(b, t) = divmod(r,
+T - shift)``, so a shift never copies ``hidden``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+
+from .loss_math import LossSpec, RowTargets, finish_loss, row_coefficients, row_targets
+
+# Temporaries of one chunk, in float32 values per logit: y, z, and the gradient.
+_LOGIT_TEMPORARIES = 3
+
+
+@dataclasses.dataclass
+class Needs:
+    """Which gradients the caller wants."""
+
+    hidden: bool = False
+    classifier: bool = False
+    bias: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.hidden or self.classifier or self.bias
+
+
+@dataclasses.dataclass
+class ForwardOut:
+    loss: torch.Tensor
+    lse: torch.Tensor  # (N,) float32
+    grad_hidden: torch.Tensor | None = None
+    grad_classifier: torch.Tensor | None = None  # float32 accumulator
+    grad_bias: torch.Tensor | None = None  # float32 accumulator
+
+
+def chunk_rows(vocab: int, budget_bytes: int) -> int:
+    """Rows per chunk so that one chunk's float32 temporaries fit in ``budget_bytes``."""
+    return max(1, budget_bytes // (vocab * 4 * _LOGIT_TEMPORARIES))
+
+
+class _Rows:
+    """Reads and writes rows of a (B, T, D) tensor by flat row index, without copying it."""
+
+    def __init__(self, hidden: torch.Tensor, shift: int):
+        self.hidden = hidden
+        self.per_batch = hidden.shape[1] - shift
+        self.flat = None
+        if shift == 0 or hidden.shape[0] == 1:
+            view = hidden[:, : self.per_batch]
+            try:
+                self.flat = view.view(-1, hidden.shape[-1])
+            except RuntimeError:
+                self.flat = None
+
+    def index(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r = torch.arange(start, stop, device=self.hidden.device)
+        return r // self.per_batch, r % self.per_batch
+
+    def read(self, start: int, stop: int) -> torch.Tensor:
+        if self.flat is not None:
+            return self.flat[start:stop]
+        return self.hidden[self.index(start, stop)]
+
+    def write(self, out: torch.Tensor, start: int, stop: int, value: torch.Tensor) -> None:
+        if self.flat is not None and out.is_contiguous():
+            out.view(-1, out.shape[-1])[start:stop] = value
+        else:
+            out[self.index(start, stop)] = value
+
+
+def _chunks(n_rows: int, chunk: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, n_rows, chunk):
+        yield start, min(start + chunk, n_rows)
+
+
+def _logits(
+    h32: torch.Tensor, c32: torch.Tensor, b32: torch.Tensor | None, spec: LossSpec
+) -> torch.Tensor:
+    """z = softcap(logit_scale * (h @ c.T + b)), float32."""
+    z = h32 @ c32.T
+    if b32 is not None:
+        z += b32
+    if spec.logit_scale != 1.0:
+        z *= spec.logit_scale
+    if spec.softcap:
+        z = torch.tanh(z / spec.softcap) * spec.softcap
+    return z
+
+
+def _grad_chunk(
+    h32: torch.Tensor,
+    c32: torch.Tensor,
+    b32: torch.Tensor | None,
+    lse: torch.Tensor,
+    coefs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    rows: RowTargets,
+    w32: torch.Tensor | None,
+    spec: LossSpec,
+) -> torch.Tensor:
+    """Recompute a chunk of logits and return d loss / d (h @ c.T + b), float32."""
+    z = _logits(h32, c32, b32, spec)
+    tanh_grad = None
+    if spec.softcap:
+        tanh_grad = 1.0 - (z / spec.softcap).square()
+    coef_p, coef_t, coef_w = coefs
+    grad = z.sub_(lse[:, None]).exp_().mul_(coef_p[:, None])
+    grad.scatter_add_(1, rows.safe[:, None], -coef_t[:, None])
+    if spec.label_smoothing:
+        grad.sub_(coef_w[:, None] * (w32 if w32 is not None else 1.0))
+    if tanh_grad is not None:
+        grad.mul_(tanh_grad)
+    if spec.logit_scale != 1.0:
+        grad.mul_(spec.logit_scale)
+    # A row with no upstream gradient (ignored) contributes exactly 0, even where its saved lse
+    # is a placeholder and exp(z - lse) overflowed.
+    active = (coef_p != 0) | (coef_t != 0) | (coef_w != 0)
+    return torch.where(active[:, None], grad, 0.0)
+
+
+class _Accumulators:
+    """float32 gradient accumulators for the parameters, and the hidden gradient."""
+
+    def __init__(self, hidden, classifier, bias, needs: Needs):
+        self.needs = needs
+        self.hidden = (
+            torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+            if needs.hidden
+            else None
+        )
+        self.classifier = (
+            torch.zeros(classifier.shape, dtype=torch.float32, device=classifier.device)
+            if needs.classifier
+            else None
+        )
+        self.bias = (
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs.bias else None
+        )
+
+    def add(self, rows_io: _Rows, start, stop, grad, h32, c32) -> None:
+        if self.hidden is not None:
+            rows_io.write(self.hidden, start, stop, (grad @ c32).to(self.hidden.dtype))
+        if self.classifier is not None:
+            self.classifier.addmm_(grad.T, h32)
+        if self.bias is not None:
+            self.bias += grad.sum(0)
+
+
+def _prepare(hidden, classifier, targets, bias, class_weights, spec):
+    vocab = classifier.shape[0]
+    rows = row_targets(targets, class_weights, spec, vocab)
+    c32 = classifier.float()
+    b32 = bias.float() if bias is not None else None
+    w32 = class_weights.float() if class_weights is not None else None
+    return vocab, rows, c32, b32, w32
+
+
+def forward(
+    hidden: torch.Tensor,
+    classifier: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weights: torch.Tensor | None,
+    spec: LossSpec,
+    *,
+    lse_all_rows: bool,
+    fast: bool,
+    needs: Needs,
+    budget_bytes: int,
+) -> ForwardOut:
+    """Loss and per-row lse; with ``fast``, also the gradients for a unit upstream gradient."""
+    vocab, rows, c32, b32, w32 = _prepare(hidden, classifier, targets, bias, class_weights, spec)
+    rows_io = _Rows(hidden, spec.shift)
+    n_rows = rows.targets.numel()
+    lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+    target_logit = torch.empty_like(lse)
+    wsum = torch.empty_like(lse) if spec.needs_wsum else None
+    acc = _Accumulators(hidden, classifier, bias, needs) if fast else None
+    unit = torch.ones((), device=hidden.device)
+    for start, stop in _chunks(n_rows, chunk_rows(vocab, budget_bytes)):
+        h32 = rows_io.read(start, stop).float()
+        z = _logits(h32, c32, b32, spec)
+        chunk_rows_ = rows.slice(start, stop)
+        lse[start:stop] = torch.logsumexp(z, dim=-1)
+        target_logit[start:stop] = z.gather(1, chunk_rows_.safe[:, None])[:, 0]
+        if wsum is not None:
+            wsum[start:stop] = z @ w32 if w32 is not None else z.sum(-1)
+        del z
+        if acc is not None:
+            grad_loss = unit.expand(stop - start) if spec.reduction == "none" else unit
+            coefs = row_coefficients(grad_loss, None, lse[start:stop], chunk_rows_, spec, vocab)
+            grad = _grad_chunk(h32, c32, b32, lse[start:stop], coefs, chunk_rows_, w32, spec)
+            acc.add(rows_io, start, stop, grad, h32, c32)
+    loss = finish_loss(lse, target_logit, wsum, rows, spec, vocab)
+    if not lse_all_rows:
+        lse = torch.where(rows.valid, lse, 0.0)
+    out = ForwardOut(loss, lse)
+    if acc is not None:
+        out.grad_hidden, out.grad_classifier, out.grad_bias = acc.hidden, acc.classifier, acc.bias
+    return out
+
+
+def backward(
+    grad_loss: torch.Tensor | None,
+    grad_lse: torch.Tensor | None,
+    hidden: torch.Tensor,
+    classifier: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weights: torch.Tensor | None,
+    lse: torch.Tensor,
+    spec: LossSpec,
+    *,
+    lse_all_rows: bool,
+    needs: Needs,
+    budget_bytes: int,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients for hidden (its dtype) and float32 accumulators for classifier and bias."""
+    vocab, rows, c32, b32, w32 = _prepare(hidden, classifier, targets, bias, class_weights, spec)
+    rows_io = _Rows(hidden, spec.shift)
+    n_rows = rows.targets.numel()
+    if grad_lse is not None and not lse_all_rows:
+        # The lse of an ignored row was returned as the constant 0.
+        grad_lse = torch.where(rows.valid, grad_lse, 0.0)
+    acc = _Accumulators(hidden, classifier, bias, needs)
+    for start, stop in _chunks(n_rows, chunk_rows(vocab, budget_bytes)):
+        chunk_rows_ = rows.slice(start, stop)
+        chunk_grad_loss = grad_loss
+        if grad_loss is not None and spec.reduction == "none":
+            chunk_grad_loss = grad_loss[start:stop]
+        chunk_grad_lse = grad_lse[start:stop] if grad_lse is not None else None
+        coefs = row_coefficients(
+            chunk_grad_loss, chunk_grad_lse, lse[start:stop], chunk_rows_, spec, vocab
+        )
+        h32 = rows_io.read(start, stop).float()
+        grad = _grad_chunk(h32, c32, b32, lse[start:stop], coefs, chunk_rows_, w32, spec)
+        acc.add(rows_io, start, stop, grad, h32, c32)
+    return acc.hidden, acc.classifier, acc.bias

@@ -1,0 +1,34 @@
+"""Shared pytest set-up: GPU marker handling, option for larger fuzzing budgets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fuzz-examples",
+        type=int,
+        default=None,
+        help="hypothesis examples per fuzzing test (default: the CI budget set in each test)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def fuzz_examples(request):
+    """Examples for a hypothesis test: its CI default unless --fuzz-examples raises it."""
+
+    def pick(default: int) -> int:
+        return request.config.getoption("--fuzz-examples") or default
+
+    return pick

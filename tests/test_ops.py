@@ -1,0 +1,173 @@
+"""The custom ops: opcheck over the option matrix, fake kernels, torch.compile behaviour."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from oracle import LOSS_RTOL, assert_close, oracle
+from strategies import build_case
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import cce_compile
+import cce_compile.ops  # noqa: F401  (registers torch.ops.cce)
+
+OP = torch.ops.cce.linear_cross_entropy.default
+BACKWARD_OP = torch.ops.cce.linear_cross_entropy_backward.default
+
+# Options that change the ops' outputs, saved tensors or autograd structure: all combinations.
+STRUCTURAL = dict(
+    reduction=["mean", "sum", "none"],
+    mode=["lean", "fast"],
+    bias=[False, True],
+    class_weights=[False, True],
+    shift=[0, 1],
+    lse_all_rows=[False, True],
+)
+# Options that only change the arithmetic: each structural combination runs with all of them
+# off and with all of them on.
+NUMERIC = {
+    "plain": dict(label_smoothing=0.0, softcap=0.0, logit_scale=1.0, z_loss=0.0),
+    "numeric": dict(label_smoothing=0.1, softcap=7.5, logit_scale=1.7, z_loss=1e-3),
+}
+
+
+def _matrix():
+    names = list(STRUCTURAL)
+    for values in itertools.product(*STRUCTURAL.values()):
+        combo = dict(zip(names, values))
+        if combo["mode"] == "fast" and combo["reduction"] == "none":
+            continue
+        for numeric_id, numeric in NUMERIC.items():
+            ident = "-".join(f"{k}={v}" for k, v in combo.items()) + f"-{numeric_id}"
+            yield pytest.param({**combo, **numeric}, id=ident)
+
+
+def op_args(options: dict, dtype=torch.float32, leading=(2, 5), dim=7, vocab=11, seed=0):
+    case = build_case(
+        leading=leading,
+        dim=dim,
+        vocab=vocab,
+        dtype=dtype,
+        seed=seed,
+        bias=options["bias"],
+        class_weights=options["class_weights"],
+    )
+    case.hidden.requires_grad_()
+    case.classifier.requires_grad_()
+    if case.bias is not None:
+        case.bias.requires_grad_()
+    return (
+        case.hidden,
+        case.classifier,
+        case.targets,
+        case.bias,
+        case.class_weights,
+        -100,
+        options["reduction"],
+        options["label_smoothing"],
+        options["softcap"],
+        options["logit_scale"],
+        options["shift"],
+        options["z_loss"],
+        options["lse_all_rows"],
+        options["mode"],
+        True,
+        True,
+        case.bias is not None,
+    )
+
+
+@pytest.mark.parametrize("options", list(_matrix()))
+def test_opcheck(options):
+    torch.library.opcheck(OP, op_args(options))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("mode", ["lean", "fast"])
+def test_opcheck_half_dtypes(dtype, mode):
+    options = dict(
+        reduction="mean",
+        mode=mode,
+        bias=True,
+        class_weights=False,
+        shift=1,
+        lse_all_rows=True,
+        **NUMERIC["numeric"],
+    )
+    torch.library.opcheck(OP, op_args(options, dtype=dtype))
+
+
+def _meta(t: torch.Tensor):
+    return (tuple(t.shape), t.dtype, tuple(t.stride()) if t.numel() else None)
+
+
+@pytest.mark.parametrize("options", [p for i, p in enumerate(_matrix()) if i % 7 == 0])
+def test_fake_kernels_mirror_real_outputs(options):
+    args = op_args(options)
+    real = OP(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fake = OP(*fake_args)
+    assert [_meta(t) for t in real] == [_meta(t) for t in fake]
+
+    grad_loss = torch.ones_like(real[0])
+    backward_args = (
+        grad_loss,
+        real[1],
+        *args[:5],
+        real[1],
+        *args[5:13],
+        True,
+        True,
+        args[3] is not None,
+    )
+    real_grads = BACKWARD_OP(*backward_args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_args = [
+            mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in backward_args
+        ]
+        fake_grads = BACKWARD_OP(*fake_args)
+    assert [_meta(t) for t in real_grads] == [_meta(t) for t in fake_grads]
+
+
+def _loss_fn(hidden, classifier, targets):
+    return cce_compile.linear_cross_entropy(
+        hidden, classifier, targets, shift=1, label_smoothing=0.1, z_loss=1e-4
+    )
+
+
+@pytest.mark.parametrize("mode", ["lean", "fast"])
+def test_compile_fullgraph_dynamic_no_recompile(mode):
+    counter = CompileCounterWithBackend("inductor")
+    torch._dynamo.reset()
+    with cce_compile.config.override(mode=mode):
+        compiled = torch.compile(_loss_fn, backend=counter, fullgraph=True, dynamic=True)
+        # Three batch sizes and sequence lengths, different numbers of ignored targets (sizes
+        # >= 2: Dynamo specialises 0 and 1 by design).
+        for seed, (batch, time, ignored) in enumerate([(2, 9, 0.1), (3, 6, 0.6), (4, 13, 0.0)]):
+            case = build_case(
+                leading=(batch, time),
+                dim=12,
+                vocab=29,
+                seed=seed,
+                ignored_fraction=ignored,
+                shift=1,
+                label_smoothing=0.1,
+                z_loss=1e-4,
+            )
+            case.hidden.requires_grad_()
+            case.classifier.requires_grad_()
+            loss = compiled(case.hidden, case.classifier, case.targets)
+            if seed == 0:
+                # Dynamo may restart analysis (e.g. to specialise a float) within the first
+                # compile; recompiles are compiles after it.
+                first_compile = counter.frame_count
+            assert_close("loss", loss, oracle(case), LOSS_RTOL[torch.float32])
+            got = torch.autograd.grad(loss, [case.hidden, case.classifier])
+            want = torch.autograd.grad(oracle(case), [case.hidden, case.classifier])
+            for g, w in zip(got, want):
+                assert_close("grad", g, w, 1e-4)
+    assert counter.frame_count == first_compile, "recompiled for a new size"
