@@ -138,6 +138,52 @@ def finish_loss(
     return loss
 
 
+@dataclasses.dataclass
+class CoefficientParts:
+    """The per-row coefficients before the lse is known: coef_p = p_base + p_per_lse * lse."""
+
+    p_base: torch.Tensor
+    p_per_lse: torch.Tensor | None
+    coef_t: torch.Tensor
+    coef_w: torch.Tensor
+
+
+def row_coefficient_parts(
+    grad_loss: torch.Tensor | None,
+    grad_lse: torch.Tensor | None,
+    rows: RowTargets,
+    spec: LossSpec,
+    vocab: int,
+) -> CoefficientParts:
+    """The coefficients of dz for the rows of ``rows`` (see the module docstring).
+
+    ``grad_loss`` is the upstream gradient of the loss (a scalar for 'mean'/'sum', one per row
+    for 'none'), ``grad_lse`` that of the returned lse; either may be None (no gradient).
+    """
+    eps = spec.label_smoothing
+    zeros = torch.zeros_like(rows.weight)
+    if grad_loss is None:
+        ce_factor = z_factor = zeros
+    else:
+        g = grad_loss.float()
+        if spec.reduction == "mean":
+            ce_factor = (g / rows.weight_sum).expand_as(zeros)
+            z_factor = (g / rows.count).expand_as(zeros)
+        else:
+            ce_factor = z_factor = g.expand_as(zeros)
+        ce_factor = torch.where(rows.valid, ce_factor, 0.0)
+        z_factor = torch.where(rows.valid, z_factor, 0.0)
+    coef_t = ce_factor * (1.0 - eps) * rows.weight
+    coef_w = ce_factor * (eps / vocab)
+    p_base = coef_t + coef_w * rows.weight_total
+    if grad_lse is not None:
+        p_base = p_base + grad_lse.float()
+    # Out-of-range targets (GPU, unchecked) poison their row's gradient, as their loss.
+    p_base = torch.where(rows.out_of_range, float("nan"), p_base)
+    p_per_lse = 2.0 * spec.z_loss * z_factor if spec.z_loss else None
+    return CoefficientParts(p_base, p_per_lse, coef_t, coef_w)
+
+
 def row_coefficients(
     grad_loss: torch.Tensor | None,
     grad_lse: torch.Tensor | None,
@@ -146,34 +192,10 @@ def row_coefficients(
     spec: LossSpec,
     vocab: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row (coef_p, coef_t, coef_w) of dz = coef_p * p - coef_t * onehot - coef_w * w.
-
-    ``grad_loss`` is the upstream gradient of the loss (a scalar for 'mean'/'sum', rows-shaped
-    for 'none'), ``grad_lse`` that of the returned lse; either may be None (no gradient).
-    """
-    eps = spec.label_smoothing
-    zeros = torch.zeros_like(lse)
-    if grad_loss is None:
-        ce_factor = z_factor = zeros
-    else:
-        g = grad_loss.float()
-        if spec.reduction == "mean":
-            ce_factor = (g / rows.weight_sum).expand_as(lse)
-            z_factor = (g / rows.count).expand_as(lse)
-        else:
-            ce_factor = z_factor = g.expand_as(lse)
-        ce_factor = torch.where(rows.valid, ce_factor, 0.0)
-        z_factor = torch.where(rows.valid, z_factor, 0.0)
-    coef_t = ce_factor * (1.0 - eps) * rows.weight
-    coef_w = ce_factor * (eps / vocab)
-    coef_p = coef_t + coef_w * rows.weight_total
-    if spec.z_loss:
-        coef_p = coef_p + 2.0 * spec.z_loss * z_factor * lse
-    if grad_lse is not None:
-        coef_p = coef_p + grad_lse.float()
-    bad = rows.out_of_range
-    coef_p = torch.where(bad, float("nan"), coef_p)
-    return coef_p, coef_t, coef_w
+    """Per-row (coef_p, coef_t, coef_w) of dz = coef_p * p - coef_t * onehot - coef_w * w."""
+    parts = row_coefficient_parts(grad_loss, grad_lse, rows, spec, vocab)
+    coef_p = parts.p_base if parts.p_per_lse is None else parts.p_base + parts.p_per_lse * lse
+    return coef_p, parts.coef_t, parts.coef_w
 
 
 def check_targets_in_range(rows: RowTargets, vocab: int) -> None:

@@ -121,18 +121,23 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor, scale: float = 0.0) 
     return (a - e).norm().item() / denom
 
 
-def gradient_scale(case: Case, upstream_loss: torch.Tensor, leaves) -> list[float]:
-    """Per leaf, 0.1 x the norm of the gradient of sum_i |a_i| lse_i: the softmax term alone.
+def gradient_scale(case: Case, upstream_loss: torch.Tensor, upstream_lse, leaves) -> list[float]:
+    """Per leaf, 0.1 x the norm of the gradient of sum_i (|a_i| + |g_i|) lse_i, no softcap.
 
-    The exact gradient is (softmax - onehot) terms that cancel when the model is confident (or
-    V = 1); this is the size of one of those terms, the natural floor for a relative error.
-    ``a_i`` is the upstream gradient of row i's loss (divided by the row count for 'mean').
+    The size of one term of the exact gradient before cancellation: (softmax - onehot) terms
+    cancel when the model is confident (or V = 1), and a saturated softcap multiplies them by
+    1 - tanh^2, which float32 can only compute to an absolute (not relative) error. This is the
+    natural floor for a relative error. ``a_i`` is the upstream gradient of row i's loss
+    (divided by the row count for 'mean'), ``g_i`` that of its lse (or 0).
     """
-    _, lse = oracle(case, return_lse=True)
+    uncapped = dataclasses.replace(case, softcap=None)
+    _, lse = oracle(uncapped, return_lse=True)
     factor = upstream_loss.abs().expand_as(lse)
     if case.reduction == "mean":
         targets = case.targets[..., case.shift :] if case.shift else case.targets
         factor = factor / max(int((targets != case.ignore_index).sum()), 1)
+    if upstream_lse is not None:
+        factor = factor + upstream_lse.abs()
     grads = torch.autograd.grad((factor * lse).sum(), leaves, allow_unused=True)
     return [0.0 if g is None else 0.1 * g.norm().item() for g in grads]
 

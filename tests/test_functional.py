@@ -52,7 +52,7 @@ def run_and_compare(case, *, mode="auto", return_lse=False, grads="all", seed=0)
     total_expected = sum((e * u).sum() for e, u in zip(expected, upstream))
     got = torch.autograd.grad(total_ours, leaves, allow_unused=True)
     want = torch.autograd.grad(total_expected, leaves, allow_unused=True)
-    scales = gradient_scale(case, upstream[0], leaves)
+    scales = gradient_scale(case, upstream[0], upstream[1] if return_lse else None, leaves)
     for leaf, g, w, scale in zip(leaves, got, want, scales):
         name = {id(case.hidden): "grad_hidden", id(case.classifier): "grad_classifier"}.get(
             id(leaf), "grad_bias"

@@ -1,0 +1,11 @@
+"""Triton kernels: one kernel per file, each with a launcher that checks shapes.
+
+* ``lse_forward``: logits tile by tile -> per-tile log-sum-exp partials, target logit (lean
+  forward; nothing N x V is stored).
+* ``logit_grad``: recomputes a vocabulary slab of logits and writes d loss / d logits for it
+  (lean backward; the two GEMMs that consume the slab run on cuBLAS).
+* ``chunk_softmax_grad``: turns a chunk of materialised logits into its gradient in place, with
+  per-row statistics (fast mode).
+
+Kernels import nothing from cce_compile but ``common``.
+"""

@@ -1,0 +1,211 @@
+"""Kernel launchers: shape checks, and each kernel's output against float64 torch math."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from strategies import random_targets
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs a GPU or TRITON_INTERPRET=1",
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def small_config():
+    from cce_compile.kernels.lse_forward import TileConfig
+
+    if DEVICE == "cpu":
+        return TileConfig(block_n=16, block_v=16, block_d=16, group_n=2, num_warps=4, num_stages=1)
+    return TileConfig()
+
+
+def logits64(hidden, classifier, bias, shift, scale, softcap):
+    rows = hidden[:, : hidden.shape[1] - shift].reshape(-1, hidden.shape[-1]).double()
+    y = rows @ classifier.double().T
+    if bias is not None:
+        y = y + bias.double()
+    z = y * scale
+    return softcap * torch.tanh(z / softcap) if softcap else z
+
+
+@pytest.mark.parametrize("softcap", [0.0, 4.0], ids=["plain", "softcap"])
+def test_lse_forward_partials(softcap):
+    from cce_compile.kernels.lse_forward import lse_forward
+
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 11, 37, generator=gen).to(DEVICE)
+    classifier = (torch.randn(53, 37, generator=gen) / 6).to(DEVICE)
+    bias = torch.randn(53, generator=gen).to(DEVICE)
+    weights = torch.rand(53, generator=gen).to(DEVICE)
+    targets = random_targets((2, 11), 53, 0.2, -100, gen).to(DEVICE)
+    partial, target_logit, partial_wsum = lse_forward(
+        hidden,
+        classifier,
+        targets,
+        bias,
+        weights,
+        shift=2,
+        ignore_index=-100,
+        logit_scale=0.7,
+        softcap=softcap,
+        skip_ignored=False,
+        needs_wsum=True,
+        config=small_config(),
+    )
+    z = logits64(hidden, classifier, bias, 2, 0.7, softcap)
+    rows = targets[:, 2:].reshape(-1)
+    valid = rows != -100
+    torch.testing.assert_close(
+        torch.logsumexp(partial, 0).double(), torch.logsumexp(z, -1), rtol=1e-6, atol=1e-6
+    )
+    torch.testing.assert_close(
+        target_logit.double()[valid], z[valid, rows[valid]], rtol=1e-6, atol=1e-6
+    )
+    assert torch.all(target_logit[~valid] == 0)
+    torch.testing.assert_close(
+        partial_wsum.sum(0).double(), z @ weights.double(), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_logit_grad_slab_matches_formula():
+    from cce_compile.kernels.logit_grad import logit_grad
+
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(3, 7, 21, generator=gen).to(DEVICE)
+    classifier = (torch.randn(40, 21, generator=gen) / 5).to(DEVICE)
+    targets = random_targets((3, 7), 40, 0.3, -100, gen).to(DEVICE)
+    z = logits64(hidden, classifier, None, 0, 1.0, 0.0)
+    lse = torch.logsumexp(z, -1).float()
+    coefs = tuple(torch.rand(21, generator=gen).to(DEVICE) for _ in range(3))
+    coefs[0][:4] = 0  # inactive rows write zeros
+    coefs[1][:4] = 0
+    coefs[2][:4] = 0
+    slab = torch.full((21, 20), float("nan"), device=DEVICE)
+    logit_grad(
+        hidden,
+        classifier,
+        targets,
+        None,
+        None,
+        lse,
+        coefs,
+        slab,
+        col_start=17,
+        shift=0,
+        logit_scale=1.0,
+        softcap=0.0,
+        smoothing=True,
+        config=small_config(),
+    )
+    cols = torch.arange(17, 37, device=DEVICE)
+    p = torch.exp(z[:, 17:37] - lse.double()[:, None])
+    onehot = (targets.reshape(-1)[:, None] == cols[None, :]).double()
+    c_p, c_t, c_w = (c.double()[:, None] for c in coefs)
+    expected = c_p * p - c_t * onehot - c_w
+    torch.testing.assert_close(slab.double(), expected, rtol=1e-5, atol=1e-6)
+    assert torch.all(slab[:4] == 0)
+
+
+def test_chunk_softmax_grad_in_place():
+    from cce_compile.kernels.chunk_softmax_grad import chunk_softmax_grad
+
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(9, 77, generator=gen) * 3).to(DEVICE)
+    original = logits.double().clone()
+    targets = torch.randint(0, 77, (9,), generator=gen).to(DEVICE)
+    p_base, p_lse, c_t, c_w = (torch.rand(9, generator=gen).to(DEVICE) for _ in range(4))
+    lse, target_logit, wsum = chunk_softmax_grad(
+        logits,
+        targets,
+        None,
+        p_base,
+        p_lse,
+        c_t,
+        c_w,
+        logit_scale=1.0,
+        softcap=0.0,
+        smoothing=True,
+        block=32,
+    )
+    lse64 = torch.logsumexp(original, -1)
+    torch.testing.assert_close(lse.double(), lse64, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(target_logit.double(), original.gather(1, targets[:, None])[:, 0])
+    torch.testing.assert_close(wsum.double(), original.sum(-1), rtol=1e-5, atol=1e-5)
+    coef_p = (p_base + p_lse * lse).double()[:, None]
+    onehot = torch.nn.functional.one_hot(targets, 77).double()
+    expected = coef_p * torch.exp(original - lse64[:, None]) - c_t.double()[:, None] * onehot
+    expected -= c_w.double()[:, None]
+    torch.testing.assert_close(logits.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_launchers_check_shapes():
+    from cce_compile.kernels.chunk_softmax_grad import chunk_softmax_grad
+    from cce_compile.kernels.logit_grad import logit_grad
+    from cce_compile.kernels.lse_forward import lse_forward
+
+    hidden = torch.randn(2, 5, 8, device=DEVICE)
+    classifier = torch.randn(11, 8, device=DEVICE)
+    targets = torch.zeros(2, 5, dtype=torch.long, device=DEVICE)
+    common = dict(
+        shift=0,
+        ignore_index=-100,
+        logit_scale=1.0,
+        softcap=0.0,
+        skip_ignored=False,
+        needs_wsum=False,
+    )
+    with pytest.raises(ValueError, match="classifier"):
+        lse_forward(hidden, classifier[:, :7], targets, None, None, **common)
+    with pytest.raises(ValueError, match="targets"):
+        lse_forward(hidden, classifier, targets[:, :4], None, None, **common)
+    with pytest.raises(ValueError, match="shift"):
+        lse_forward(hidden, classifier, targets, None, None, **{**common, "shift": 5})
+    lse = torch.zeros(10, device=DEVICE)
+    coefs = (lse, lse, lse)
+    with pytest.raises(ValueError, match="slab"):
+        logit_grad(
+            hidden,
+            classifier,
+            targets,
+            None,
+            None,
+            lse,
+            coefs,
+            torch.empty(9, 4, device=DEVICE),
+            col_start=0,
+            shift=0,
+            logit_scale=1.0,
+            softcap=0.0,
+            smoothing=False,
+        )
+    with pytest.raises(ValueError, match="columns"):
+        logit_grad(
+            hidden,
+            classifier,
+            targets,
+            None,
+            None,
+            lse,
+            coefs,
+            torch.empty(10, 4, device=DEVICE),
+            col_start=9,
+            shift=0,
+            logit_scale=1.0,
+            softcap=0.0,
+            smoothing=False,
+        )
+    with pytest.raises(ValueError, match="targets"):
+        chunk_softmax_grad(
+            torch.zeros(3, 7, device=DEVICE),
+            torch.zeros(3, dtype=torch.int32, device=DEVICE),
+            None,
+            *(torch.zeros(3, device=DEVICE),) * 4,
+            logit_scale=1.0,
+            softcap=0.0,
+            smoothing=False,
+        )

@@ -1,0 +1,109 @@
+"""The Triton implementation behind the op, end to end against the float64 oracle.
+
+On CPU the kernels run in Triton's interpreter (small shapes); on a GPU the same tests run on
+CUDA tensors. The op's dispatch is pointed at ``triton_path`` for the test's device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+import cce_compile
+from strategies import DTYPE_IDS, DTYPES, build_case, cases
+from test_functional import run_and_compare
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and not INTERPRETING, reason="needs a GPU or TRITON_INTERPRET=1"
+)
+
+
+@pytest.fixture(autouse=True)
+def triton_dispatch(monkeypatch):
+    from cce_compile import ops, triton_path
+
+    monkeypatch.setattr(ops, "_implementation", lambda device: triton_path)
+
+
+def to_device(case):
+    for name in ("hidden", "classifier", "targets", "bias", "class_weights"):
+        value = getattr(case, name)
+        if value is not None:
+            setattr(case, name, value.to(DEVICE))
+    return case
+
+
+def test_random_cases(fuzz_examples):
+    @settings(
+        max_examples=fuzz_examples(25),
+        deadline=None,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(cases(max_vocab=40, max_dim=36, max_rows=12))
+    def check(drawn):
+        case, flags = drawn
+        run_and_compare(to_device(case), **flags)
+
+    check()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("mode", ["lean", "fast"])
+def test_odd_shape_every_option(dtype, mode):
+    # V and D not multiples of the 16-wide tiles, rows spanning several tiles, a shift.
+    case = build_case(
+        leading=(3, 13),
+        dim=37,
+        vocab=53,
+        dtype=dtype,
+        bias=True,
+        class_weights=True,
+        label_smoothing=0.1,
+        softcap=12.0,
+        logit_scale=1.3,
+        shift=1,
+        z_loss=1e-3,
+        seed=3,
+    )
+    run_and_compare(to_device(case), mode=mode)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_return_lse_and_ignored_tiles(reduction):
+    # The first rows are all ignored: whole tiles are skipped in forward and backward.
+    case = build_case(leading=(2, 20), dim=20, vocab=33, reduction=reduction, seed=5)
+    case.targets[0, :] = -100
+    run_and_compare(to_device(case), return_lse=True, mode="lean")
+    run_and_compare(to_device(case), return_lse=False, mode="lean")
+
+
+def test_several_backward_slabs(monkeypatch):
+    from cce_compile import triton_path
+
+    monkeypatch.setattr(triton_path, "SLAB_BYTES", 16 * 24 * 4)  # 24 rows x 16 cols float32
+    case = build_case(leading=(24,), dim=18, vocab=70, bias=True, label_smoothing=0.2, seed=9)
+    run_and_compare(to_device(case), mode="lean")
+
+
+def test_several_fast_chunks(monkeypatch):
+    from cce_compile import ops
+
+    vocab = 45
+    monkeypatch.setattr(ops, "_budget_bytes", lambda: 5 * vocab * 4)  # 5 float32 rows a chunk
+    case = build_case(
+        leading=(4, 7),
+        dim=18,
+        vocab=vocab,
+        bias=True,
+        class_weights=True,
+        label_smoothing=0.2,
+        z_loss=1e-2,
+        seed=11,
+    )
+    run_and_compare(to_device(case), mode="fast")
