@@ -11,8 +11,6 @@ import os
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-
-import cce_compile
 from strategies import DTYPE_IDS, DTYPES, build_case, cases
 from test_functional import run_and_compare
 

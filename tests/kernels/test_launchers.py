@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-
 from strategies import random_targets
 
 pytestmark = pytest.mark.skipif(

@@ -1,0 +1,337 @@
+"""Side-by-side benchmark of linear + cross-entropy implementations on one GPU.
+
+For each shape (N tokens x D hidden x V classes, bf16, 10% ignored targets) and each method it
+records, in one run on one GPU:
+
+* forward+backward and forward-only (under no_grad) time: median of CUDA-event timings over
+  ``--reps`` repetitions after warm-up;
+* peak memory above the inputs and the gradients (``max_memory_allocated`` during fwd+bwd,
+  minus what was allocated before, minus the bytes of the gradients themselves);
+* relative gradient error ||g - g_ref|| / ||g_ref|| of d hidden and d classifier against a
+  float32 reference (float32 inputs, materialised float32 logits, IEEE float32 matmuls).
+
+The floor is the bare ``hidden @ classifier.T`` matmul: 3 x its time for forward+backward.
+Writes ``results.json`` (with GPU, torch, triton versions), ``results.md`` and one PNG per shape
+(time against memory) into ``--out``.
+
+    python bench/bench.py --out bench/results            # every shape and method
+    python bench/bench.py --shapes C --methods cce_lean,compile --reps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+SHAPES = {  # name: (N, D, V)
+    "A": (8192, 2304, 256000),
+    "B": (16384, 4096, 128256),
+    "C": (4096, 2048, 32000),
+    "E": (8192, 4096, 128256),
+}
+IGNORED_FRACTION = 0.1
+GiB = 2**30
+
+
+def make_inputs(n, d, v, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(n, d, device="cuda", generator=gen).bfloat16()
+    classifier = (torch.randn(v, d, device="cuda", generator=gen) * 0.02).bfloat16()
+    targets = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    ignored = torch.rand(n, device="cuda", generator=gen) < IGNORED_FRACTION
+    targets = torch.where(ignored, torch.full_like(targets, -100), targets)
+    return hidden, classifier, targets
+
+
+def eager_loss(hidden, classifier, targets):
+    logits = hidden @ classifier.T
+    return F.cross_entropy(logits.float(), targets, ignore_index=-100)
+
+
+def method_factories():
+    """name -> (callable(hidden, classifier, targets) -> loss, or None when unavailable)."""
+    import cce_compile
+
+    methods = {}
+    methods["torch_eager"] = lambda: eager_loss
+    methods["torch_compile"] = lambda: torch.compile(eager_loss, dynamic=False)
+
+    def autochunk():
+        compiled = torch.compile(eager_loss, dynamic=False, options={"auto_chunker.enable": True})
+        return compiled
+
+    methods["compile_autochunk"] = autochunk
+    for mode in ("lean", "fast", "auto"):
+        methods[f"cce_{mode}"] = lambda mode=mode: (
+            lambda h, c, t: cce_compile.linear_cross_entropy(h, c, t, mode=mode)
+        )
+
+    def apple(filter_eps):
+        from cut_cross_entropy import linear_cross_entropy
+
+        return lambda h, c, t: linear_cross_entropy(h, c, t, filter_eps=filter_eps)
+
+    methods["apple_cce"] = lambda: apple("high")
+    methods["apple_cce_exact"] = lambda: apple(None)
+
+    def liger():
+        from liger_kernel.transformers.fused_linear_cross_entropy import (
+            LigerFusedLinearCrossEntropyLoss,
+        )
+
+        loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
+        return lambda h, c, t: loss_fn(c, h, t)
+
+    methods["liger"] = liger
+    if hasattr(F, "linear_cross_entropy"):
+        methods["torch_linear_cross_entropy"] = lambda: (
+            lambda h, c, t: F.linear_cross_entropy(h, c, t)
+        )
+    return methods
+
+
+def cuda_time_ms(fn, reps, warmup):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), times
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def reference_grads(hidden, classifier, targets):
+    """float32 inputs and logits, IEEE matmuls; chunked over tokens to bound memory."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        h = hidden.float().requires_grad_()
+        c = classifier.float().requires_grad_()
+        count = (targets != -100).sum()
+        total = 0.0
+        chunk = max(1, (4 * GiB) // (classifier.shape[0] * 4))
+        for s in range(0, h.shape[0], chunk):
+            part = (
+                F.cross_entropy(
+                    h[s : s + chunk] @ c.T,
+                    targets[s : s + chunk],
+                    ignore_index=-100,
+                    reduction="sum",
+                )
+                / count
+            )
+            part.backward()
+            total += part.item()
+        return total, h.grad, c.grad
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def bench_method(fn, hidden, classifier, targets, reps, warmup, ref):
+    h = hidden.detach().clone().requires_grad_()
+    c = classifier.detach().clone().requires_grad_()
+    grad_bytes = h.numel() * h.element_size() + c.numel() * c.element_size()
+
+    def step():
+        h.grad = None
+        c.grad = None
+        fn(h, c, targets).backward()
+
+    def forward_only():
+        with torch.no_grad():
+            fn(h, c, targets)
+
+    step()  # compile / autotune outside the measurements
+    h.grad = c.grad = None
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = fn(h, c, targets)
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - grad_bytes
+    result = {
+        "loss": loss.item(),
+        "loss_err": abs(loss.item() - ref[0]) / abs(ref[0]),
+        "grad_hidden_err": rel_err(h.grad, ref[1]),
+        "grad_classifier_err": rel_err(c.grad, ref[2]),
+        "extra_memory_gb": extra / GiB,
+    }
+    result["fwd_bwd_ms"], result["fwd_bwd_all_ms"] = cuda_time_ms(step, reps, warmup)
+    result["fwd_ms"], _ = cuda_time_ms(forward_only, reps, warmup)
+    return result
+
+
+def bench_shape(name, methods, reps, warmup):
+    n, d, v = SHAPES[name]
+    hidden, classifier, targets = make_inputs(n, d, v)
+    out = {"shape": name, "N": n, "D": d, "V": v, "methods": {}}
+    matmul_ms, _ = cuda_time_ms(lambda: hidden @ classifier.T, reps, warmup)
+    out["matmul_ms"] = matmul_ms
+    out["floor_fwd_bwd_ms"] = 3 * matmul_ms
+    out["matmul_tflops"] = 2 * n * d * v / matmul_ms / 1e9
+    ref = reference_grads(hidden, classifier, targets)
+    gc.collect()
+    torch.cuda.empty_cache()
+    for method in methods:
+        factory = method_factories().get(method)
+        if factory is None:
+            out["methods"][method] = {"error": "not available"}
+            continue
+        torch._dynamo.reset()
+        try:
+            fn = factory()
+            out["methods"][method] = bench_method(
+                fn, hidden, classifier, targets, reps, warmup, ref
+            )
+        except Exception as exc:  # a peer failing must not stop the run
+            out["methods"][method] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(f"[{name}] {method}: {out['methods'][method]}", flush=True)
+    return out
+
+
+def environment():
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    versions = {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "gpu": props.name,
+        "gpu_memory_gb": props.total_memory / GiB,
+        "cuda": torch.version.cuda,
+    }
+    for peer in ("cut_cross_entropy", "liger_kernel"):
+        with contextlib.suppress(Exception):
+            from importlib.metadata import version
+
+            versions[peer] = version(peer.replace("_", "-"))
+    return versions
+
+
+def markdown(results):
+    env = results["environment"]
+    lines = [
+        f"GPU: {env['gpu']} · torch {env['torch']} · triton {env['triton']} · "
+        f"CUDA {env['cuda']} · cut-cross-entropy {env.get('cut_cross_entropy', '-')} · "
+        f"liger-kernel {env.get('liger_kernel', '-')}",
+        "",
+        "Times are medians (ms) of CUDA-event timings; extra memory is the peak above inputs "
+        "and gradients (GiB); errors are ||g - g_fp32|| / ||g_fp32||. Floor = 3 x matmul.",
+        "",
+    ]
+    for shape in results["shapes"]:
+        floor = shape["floor_fwd_bwd_ms"]
+        compile_ms = shape["methods"].get("torch_compile", {}).get("fwd_bwd_ms")
+        compile_mem = shape["methods"].get("torch_compile", {}).get("extra_memory_gb")
+        lines += [
+            f"### {shape['shape']}: N={shape['N']} D={shape['D']} V={shape['V']} "
+            f"(matmul {shape['matmul_ms']:.2f} ms = {shape['matmul_tflops']:.0f} TFLOP/s, "
+            f"floor {floor:.1f} ms)",
+            "",
+            "| method | fwd+bwd ms | x floor | x compile | fwd ms | x matmul | extra GiB | "
+            "x compile mem | dE err | dC err |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for method, r in shape["methods"].items():
+            if "error" in r:
+                lines.append(f"| {method} | {r['error'][:80]} |||||||||")
+                continue
+            xc = f"{r['fwd_bwd_ms'] / compile_ms:.2f}" if compile_ms else "-"
+            xm = f"{r['extra_memory_gb'] / compile_mem:.3f}" if compile_mem else "-"
+            lines.append(
+                f"| {method} | {r['fwd_bwd_ms']:.2f} | {r['fwd_bwd_ms'] / floor:.2f} | {xc} | "
+                f"{r['fwd_ms']:.2f} | {r['fwd_ms'] / shape['matmul_ms']:.2f} | "
+                f"{r['extra_memory_gb']:.3f} | {xm} | {r['grad_hidden_err']:.2e} | "
+                f"{r['grad_classifier_err']:.2e} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(shape, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method, r in shape["methods"].items():
+        if "error" in r:
+            continue
+        ax.scatter(r["fwd_bwd_ms"], max(r["extra_memory_gb"], 1e-3), s=40)
+        ax.annotate(
+            method,
+            (r["fwd_bwd_ms"], max(r["extra_memory_gb"], 1e-3)),
+            fontsize=8,
+            xytext=(4, 4),
+            textcoords="offset points",
+        )
+    ax.axvline(shape["floor_fwd_bwd_ms"], color="gray", ls="--", lw=1, label="3 x matmul")
+    ax.set_yscale("log")
+    ax.set_xlabel("forward+backward time (ms)")
+    ax.set_ylabel("extra memory (GiB, log)")
+    ax.set_title(f"shape {shape['shape']}: N={shape['N']} D={shape['D']} V={shape['V']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--methods", default=None, help="comma list (default: all)")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args(argv)
+    methods = args.methods.split(",") if args.methods else list(method_factories())
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {
+        "environment": environment(),
+        "reps": args.reps,
+        "warmup": args.warmup,
+        "ignored_fraction": IGNORED_FRACTION,
+        "date": time.strftime("%Y-%m-%d"),
+        "shapes": [],
+    }
+    for name in args.shapes.split(","):
+        results["shapes"].append(bench_shape(name, methods, args.reps, args.warmup))
+        (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
+        plot(results["shapes"][-1], out_dir / f"shape_{name}.png")
+    table = markdown(results)
+    (out_dir / "results.md").write_text(table + "\n")
+    print(table)
+    return results
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        sys.exit("bench.py needs a CUDA GPU")
+    main()
