@@ -22,21 +22,21 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import cce_compile  # noqa: E402
 from bench import SHAPES, cuda_time_ms, make_inputs  # noqa: E402
 from cce_compile import config, triton_path  # noqa: E402
-from cce_compile.kernels.lse_forward import TileConfig  # noqa: E402
+from cce_compile.kernels.common import TileConfig  # noqa: E402
 
 CANDIDATES = [
-    TileConfig(128, 256, 64, 8, 8, 3),
-    TileConfig(128, 256, 64, 8, 8, 4),
-    TileConfig(128, 128, 64, 8, 4, 4),
-    TileConfig(128, 128, 64, 8, 8, 4),
-    TileConfig(256, 128, 64, 8, 8, 3),
-    TileConfig(64, 256, 64, 8, 4, 4),
-    TileConfig(128, 128, 128, 8, 8, 3),
-    TileConfig(128, 256, 32, 8, 8, 5),
+    TileConfig(128, 256, 64, 8, 8, 3, 4),
+    TileConfig(128, 256, 64, 8, 8, 4, 4),
+    TileConfig(128, 128, 64, 8, 8, 4, 4),
+    TileConfig(128, 128, 64, 8, 8, 5, 4),
+    TileConfig(128, 128, 128, 8, 8, 3, 4),
+    TileConfig(256, 128, 64, 8, 8, 3, 4),
+    TileConfig(128, 256, 64, 8, 8, 3, 1),
 ]
 
 
 def tune_shape(name, reps):
+    default_config = triton_path._tile_config
     n, d, v = SHAPES[name]
     hidden, classifier, targets = make_inputs(n, d, v)
     h = hidden.clone().requires_grad_()
@@ -57,20 +57,24 @@ def tune_shape(name, reps):
         print(name, key, value, flush=True)
 
     for cfg in CANDIDATES:
-        key = f"{cfg.block_n}x{cfg.block_v}x{cfg.block_d}-w{cfg.num_warps}-s{cfg.num_stages}"
-        triton_path._tile_config = lambda device, cfg=cfg: cfg
+        key = (
+            f"{cfg.block_n}x{cfg.block_v}x{cfg.block_d}-w{cfg.num_warps}-s{cfg.num_stages}"
+            f"-t{cfg.tiles_per_program}"
+        )
+        triton_path._tile_config = lambda device, heavy=False, cfg=cfg: cfg
         try:
             fwd, _ = cuda_time_ms(lean_forward, reps, 2)
             lean, _ = cuda_time_ms(lambda: step("lean"), max(3, reps // 2), 1)
             record(key, {"fwd_x_matmul": fwd / matmul, "lean_x_floor": lean / matmul / 3})
         except Exception as exc:
             record(key, {"error": str(exc)[:200]})
-    triton_path._tile_config = lambda device: TileConfig()
-    for slab_mb in (48, 128, 512):
+    triton_path._tile_config = default_config
+    default_slab = triton_path.SLAB_BYTES
+    for slab_mb in (32, 64, 128, 512):
         triton_path.SLAB_BYTES = slab_mb * 2**20
         lean, _ = cuda_time_ms(lambda: step("lean"), max(3, reps // 2), 1)
         record(f"slab_{slab_mb}MB", {"lean_x_floor": lean / matmul / 3})
-    triton_path.SLAB_BYTES = 48 * 2**20
+    triton_path.SLAB_BYTES = default_slab
     for chunk_mb in (256, 512, 1024, 2048, 4096):
         with config.override(memory_budget_mb=chunk_mb):
             torch.cuda.reset_peak_memory_stats()

@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 
 from .kernels.chunk_softmax_grad import chunk_softmax_grad
+from .kernels.common import RowLayout, TileConfig, row_layout
 from .kernels.logit_grad import logit_grad
-from .kernels.lse_forward import TileConfig, lse_forward
+from .kernels.lse_forward import lse_forward
 from .loss_math import LossSpec, finish_loss, row_coefficient_parts, row_coefficients, row_targets
 from .reference import ForwardOut, Needs
 
@@ -35,10 +36,26 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
-def _tile_config(device: torch.device) -> TileConfig:
+def _tile_config(device: torch.device, heavy: bool = False) -> TileConfig:
+    """Tiles for the GEMM kernels. ``heavy``: softcap / label smoothing / class weights add
+    epilogue registers, and 128 x 256 tiles would spill (bench/sass_report.py)."""
     if device.type == "cpu":  # interpreter: small tiles, several per test shape
-        return TileConfig(block_n=16, block_v=16, block_d=16, group_n=2, num_warps=4, num_stages=1)
-    return TileConfig()
+        return TileConfig(
+            block_n=16,
+            block_v=16,
+            block_d=16,
+            group_n=2,
+            num_warps=4,
+            num_stages=1,
+            tiles_per_program=2,
+        )
+    if heavy:
+        return TileConfig(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=4)
+    return TileConfig(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3)
+
+
+def _heavy(spec: LossSpec, class_weights: torch.Tensor | None) -> bool:
+    return bool(spec.softcap or spec.label_smoothing or class_weights is not None)
 
 
 def _work_dtype(tensor: torch.Tensor) -> torch.dtype:
@@ -60,32 +77,28 @@ def _matmul(
     return torch.mm(a, b, out=out)
 
 
-def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b with float32 accumulation, in place (cuBLAS beta = 1)."""
+def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """acc += a @ b (acc = a @ b when ``first``) with float32 accumulation, in place."""
     if a.device.type == "cpu":
-        acc.addmm_(a.float(), b.float())
+        if first:
+            torch.mm(a.float(), b.float(), out=acc)
+        else:
+            acc.addmm_(a.float(), b.float())
     elif a.dtype == torch.float32:
-        acc.addmm_(a, b)
+        torch.mm(a, b, out=acc) if first else acc.addmm_(a, b)
+    elif first:  # beta = 0: the accumulator is written, not read
+        torch.mm(a, b, out_dtype=torch.float32, out=acc)
     else:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
 
 
-def _row_matrix(hidden: torch.Tensor, shift: int) -> torch.Tensor:
-    """The loss rows of hidden as an (N, D) matrix: a view when possible, else one copy."""
-    rows = hidden[:, : hidden.shape[1] - shift]
-    flat = rows.reshape(-1, hidden.shape[-1])
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
-    return flat
-
-
-def _scatter_rows(flat: torch.Tensor, hidden: torch.Tensor, shift: int) -> torch.Tensor:
-    """(N, D) row gradients -> a (B, T, D) gradient of hidden with zeros past T - shift."""
+def _hidden_grad(grad_positions: torch.Tensor, layout: RowLayout, hidden: torch.Tensor):
+    """(n_positions, D) gradient -> hidden's (B, T, D) gradient, zeros where no loss row."""
     batch, time, dim = hidden.shape
-    if shift == 0:
-        return flat.view(batch, time, dim)
-    out = flat.new_zeros((batch, time, dim))
-    out[:, : time - shift] = flat.view(batch, time - shift, dim)
+    if layout.n_positions == batch * time:  # positions are exactly hidden's (b, t)
+        return grad_positions.view(batch, time, dim)
+    out = grad_positions.new_zeros((batch, time, dim))
+    out[:, : layout.rows_per_seq] = layout.row_grid(grad_positions)
     return out
 
 
@@ -123,7 +136,7 @@ def forward(
         softcap=spec.softcap,
         skip_ignored=not lse_all_rows,
         needs_wsum=spec.needs_wsum,
-        config=_tile_config(hidden.device),
+        config=_tile_config(hidden.device, _heavy(spec, class_weights)),
     )
     lse = torch.logsumexp(partial_lse, dim=0)
     wsum = partial_wsum.sum(0) if partial_wsum is not None else None
@@ -134,56 +147,61 @@ def forward(
 
 
 def _forward_fast(hidden, classifier, bias, class_weights, spec, rows, needs, budget_bytes):
+    """Gradients for a unit upstream gradient, computed in chunks of positions."""
     vocab, dim = classifier.shape
     device = hidden.device
-    n_rows = rows.targets.numel()
+    layout = row_layout(hidden, spec.shift)
+    positions = layout.positions()
+    n_positions = layout.n_positions
+    to_positions = layout.rows_to_positions
     work_dtype = _work_dtype(hidden)
-    chunk = max(1, min(n_rows, budget_bytes // (vocab * torch.finfo(work_dtype).bits // 8)))
-    unit = torch.ones((), device=device)
-    parts = row_coefficient_parts(unit, None, rows, spec, vocab)
-    matrix = _row_matrix(hidden, spec.shift)
+    elem = torch.finfo(work_dtype).bits // 8
+    chunk = max(1, min(n_positions, budget_bytes // (vocab * elem)))
+    parts = row_coefficient_parts(torch.ones((), device=device), None, rows, spec, vocab)
+    p_base, coef_t, coef_w = (to_positions(v) for v in (parts.p_base, parts.coef_t, parts.coef_w))
+    p_per_lse = None if parts.p_per_lse is None else to_positions(parts.p_per_lse)
+    targets = to_positions(rows.safe)
     logits_buf = torch.empty((chunk, vocab), dtype=work_dtype, device=device)
-    grad_rows = (
-        torch.empty((n_rows, dim), dtype=hidden.dtype, device=device) if needs.hidden else None
+    grad_positions = (
+        torch.empty((n_positions, dim), dtype=hidden.dtype, device=device) if needs.hidden else None
     )
     grad_classifier = (
         torch.zeros((vocab, dim), dtype=torch.float32, device=device) if needs.classifier else None
     )
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if needs.bias else None
-    lse = torch.empty(n_rows, dtype=torch.float32, device=device)
-    target_logit = torch.empty_like(lse)
-    wsum = torch.empty_like(lse) if spec.needs_wsum else None
+    stats = [torch.empty(n_positions, dtype=torch.float32, device=device) for _ in range(3)]
     classifier_t = classifier.t()
-    for start in range(0, n_rows, chunk):
-        stop = min(start + chunk, n_rows)
-        h = matrix[start:stop]
+    for start in range(0, n_positions, chunk):
+        stop = min(start + chunk, n_positions)
+        h = positions[start:stop]
         logits = logits_buf[: stop - start]
         _matmul(h, classifier_t, out=logits, bias=bias)
-        stats = chunk_softmax_grad(
+        chunk_stats = chunk_softmax_grad(
             logits,
-            rows.safe[start:stop],
+            targets[start:stop],
             class_weights,
-            parts.p_base[start:stop].contiguous(),
-            None if parts.p_per_lse is None else parts.p_per_lse[start:stop].contiguous(),
-            parts.coef_t[start:stop].contiguous(),
-            parts.coef_w[start:stop].contiguous(),
+            p_base[start:stop],
+            None if p_per_lse is None else p_per_lse[start:stop],
+            coef_t[start:stop],
+            coef_w[start:stop],
             logit_scale=spec.logit_scale,
             softcap=spec.softcap,
             smoothing=spec.needs_wsum,
         )
-        lse[start:stop], target_logit[start:stop] = stats[0], stats[1]
-        if wsum is not None:
-            wsum[start:stop] = stats[2]
-        if grad_rows is not None:
-            _matmul(logits, classifier, out=grad_rows[start:stop])
+        for full, part in zip(stats, chunk_stats):
+            if part is not None:
+                full[start:stop] = part
+        if grad_positions is not None:
+            _matmul(logits, classifier, out=grad_positions[start:stop])
         if grad_classifier is not None:
-            _addmm_f32_(grad_classifier, logits.t(), h)
+            _addmm_f32_(grad_classifier, logits.t(), h, first=start == 0)
         if grad_bias is not None:
             grad_bias += logits.sum(0, dtype=torch.float32)
-    loss = finish_loss(lse, target_logit, wsum, rows, spec, vocab)
-    out = ForwardOut(loss, lse)
-    if grad_rows is not None:
-        out.grad_hidden = _scatter_rows(grad_rows, hidden, spec.shift)
+    lse, target_logit, wsum = (layout.positions_to_rows(s) for s in stats)
+    loss = finish_loss(lse, target_logit, wsum if spec.needs_wsum else None, rows, spec, vocab)
+    out = ForwardOut(loss, lse.contiguous())
+    if grad_positions is not None:
+        out.grad_hidden = _hidden_grad(grad_positions, layout, hidden)
     out.grad_classifier, out.grad_bias = grad_classifier, grad_bias
     return out
 
@@ -213,27 +231,31 @@ def backward(
     vocab, dim = classifier.shape
     device = hidden.device
     rows = row_targets(targets, class_weights, spec, vocab)
-    n_rows = rows.targets.numel()
     if grad_lse is not None and not lse_all_rows:
         grad_lse = torch.where(rows.valid, grad_lse, 0.0)
+    layout = row_layout(hidden, spec.shift)
     coefs = tuple(
-        c.contiguous() for c in row_coefficients(grad_loss, grad_lse, lse, rows, spec, vocab)
+        layout.rows_to_positions(c)
+        for c in row_coefficients(grad_loss, grad_lse, lse, rows, spec, vocab)
     )
-    lse = lse.contiguous()
-    config = _tile_config(device)
+    lse_positions = layout.rows_to_positions(lse)
+    config = _tile_config(device, _heavy(spec, class_weights))
     work_dtype = _work_dtype(hidden)
+    n_positions = layout.n_positions
     width = slab_width(
-        n_rows,
+        n_positions,
         vocab,
         torch.finfo(work_dtype).bits // 8,
         config.block_v,
         min(SLAB_BYTES, budget_bytes),
     )
-    slab_buf = torch.empty((n_rows, width), dtype=work_dtype, device=device)
-    grad_rows = (
-        torch.zeros((n_rows, dim), dtype=torch.float32, device=device) if needs.hidden else None
+    slab_buf = torch.empty((n_positions, width), dtype=work_dtype, device=device)
+    grad_positions = (
+        torch.empty((n_positions, dim), dtype=torch.float32, device=device)
+        if needs.hidden
+        else None
     )
-    matrix = _row_matrix(hidden, spec.shift) if needs.classifier else None
+    positions = layout.positions() if needs.classifier else None
     grad_classifier = (
         torch.empty((vocab, dim), dtype=classifier.dtype, device=device)
         if needs.classifier
@@ -249,7 +271,7 @@ def backward(
             targets,
             bias,
             class_weights,
-            lse,
+            lse_positions,
             coefs,
             slab,
             col_start=start,
@@ -259,13 +281,14 @@ def backward(
             smoothing=spec.needs_wsum,
             config=config,
         )
-        if grad_rows is not None:
-            _addmm_f32_(grad_rows, slab, classifier[start:stop])
+        if grad_positions is not None:
+            _addmm_f32_(grad_positions, slab, classifier[start:stop], first=start == 0)
         if grad_classifier is not None:
-            _matmul(slab.t(), matrix, out=grad_classifier[start:stop])
+            # Positions that are no loss row have zero gradient rows in the slab.
+            _matmul(slab.t(), positions, out=grad_classifier[start:stop])
         if grad_bias is not None:
             grad_bias[start:stop] = slab.sum(0, dtype=torch.float32)
     grad_hidden = None
-    if grad_rows is not None:
-        grad_hidden = _scatter_rows(grad_rows.to(hidden.dtype), hidden, spec.shift)
+    if grad_positions is not None:
+        grad_hidden = _hidden_grad(grad_positions.to(hidden.dtype), layout, hidden)
     return grad_hidden, grad_classifier, grad_bias

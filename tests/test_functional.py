@@ -47,7 +47,9 @@ def run_and_compare(case, *, mode="auto", return_lse=False, grads="all", seed=0)
     if not leaves:
         return
     gen = torch.Generator().manual_seed(seed)
-    upstream = [torch.randn(e.shape, generator=gen, dtype=torch.float64) for e in expected]
+    upstream = [
+        torch.randn(e.shape, generator=gen, dtype=torch.float64).to(e.device) for e in expected
+    ]
     total_ours = sum((a.double() * u).sum() for a, u in zip(ours, upstream))
     total_expected = sum((e * u).sum() for e, u in zip(expected, upstream))
     got = torch.autograd.grad(total_ours, leaves, allow_unused=True)

@@ -105,3 +105,31 @@ def test_several_fast_chunks(monkeypatch):
         seed=11,
     )
     run_and_compare(to_device(case), mode="fast")
+
+
+@pytest.mark.parametrize("dim, tma", [(32, True), (37, False)], ids=["tma", "pointers"])
+@pytest.mark.parametrize("layout", ["contiguous", "shift", "sliced-view", "expanded-batch"])
+def test_hidden_layouts_and_load_paths(monkeypatch, dim, tma, layout):
+    from cce_compile.kernels import common
+
+    used = []
+    real = common.operand_args
+
+    def spy(*args):
+        result = real(*args)
+        used.append(result[2])
+        return result
+
+    monkeypatch.setattr(common, "operand_args", spy)
+    for module in ("lse_forward", "logit_grad"):
+        monkeypatch.setattr(f"cce_compile.kernels.{module}.operand_args", spy)
+    case = build_case(leading=(3, 12), dim=dim, vocab=41, bias=True, seed=13)
+    if layout == "shift":
+        case.shift = 2
+    elif layout == "sliced-view":  # what the graph pass feeds for logits[:, :-1]
+        case.hidden = case.hidden[:, :-1]
+        case.targets = case.targets[:, 1:]
+    elif layout == "expanded-batch":  # stride 0: no flat matrix, the launcher copies
+        case.hidden = case.hidden[:1].expand(3, -1, -1)
+    run_and_compare(to_device(case), mode="lean")
+    assert used and all(u == tma for u in used)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cap_logits, logit_grad_factor
+from .common import cap_logits
 
 
 @triton.jit
@@ -95,7 +95,10 @@ def _chunk_softmax_grad_kernel(
                 grad -= c_w * tl.load(class_weights + cols, mask=ok, other=0.0).to(tl.float32)
             else:
                 grad -= c_w
-        grad *= logit_grad_factor(z, logit_scale, softcap, HAS_SOFTCAP)
+        if HAS_SOFTCAP:
+            u = z / softcap
+            grad = grad * (1.0 - u * u)
+        grad = grad * logit_scale
         grad = tl.where(active, grad, 0.0)
         tl.store(row_ptr + cols, grad.to(logits.dtype.element_ty), mask=ok)
 

@@ -1,23 +1,150 @@
-"""Small Triton helpers shared by the kernels."""
+"""Small Triton helpers shared by the kernels, and the launchers' common host-side set-up.
+
+Rows of hidden are addressed as *positions* of a flat (positions x D) matrix with row stride
+``stride_pos``: position p is (b, t) = divmod(p, seq_stride) and is a loss row when
+t < rows_per_seq (= T - shift); its loss row index is b * rows_per_seq + t. A contiguous
+(B, T, D) hidden, a shifted one, and the sliced view hidden[:, :-1] that Hugging Face's shift
+produces are all such matrices, so no layout needs a copy; the few positions past T - shift in
+each sequence are loaded and ignored.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
 import triton
 import triton.language as tl
 
 
-@triton.jit
-def row_offsets(rows, rows_per_batch, shift, stride_b, stride_t, stride_tb, stride_tt):
-    """Element offsets of loss row ``r`` in hidden (b, t) and in targets (b, t + shift).
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    block_n: int = 128
+    block_v: int = 128
+    block_d: int = 64
+    group_n: int = 8
+    num_warps: int = 8
+    num_stages: int = 4
+    tiles_per_program: int = 4  # lse_forward: vocab tiles per program (fewer partials)
 
-    Rows are (b, t) with t < T - shift, so a shift needs no copy of hidden (int64 offsets:
-    N * D may exceed 2**31).
-    """
-    b = rows // rows_per_batch
-    t = rows - b * rows_per_batch
-    b = b.to(tl.int64)
-    t = t.to(tl.int64)
-    return b * stride_b + t * stride_t, b * stride_tb + (t + shift) * stride_tt
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """How the loss rows of a (B, T, D) hidden sit in memory (see the module docstring)."""
+
+    matrix: torch.Tensor  # a tensor whose data_ptr is position 0
+    n_positions: int
+    seq_stride: int  # positions per sequence in memory (>= rows_per_seq)
+    rows_per_seq: int
+    stride_pos: int  # elements between consecutive positions
+    n_rows: int
+
+    def positions(self) -> torch.Tensor:
+        """hidden's positions as an (n_positions, D) strided view: what the GEMMs read."""
+        dim = self.matrix.shape[-1]
+        return self.matrix.as_strided((self.n_positions, dim), (self.stride_pos, 1))
+
+    def row_grid(self, flat: torch.Tensor) -> torch.Tensor:
+        """The (B, rows_per_seq, ...) loss rows inside a position-indexed tensor."""
+        batch = self.n_rows // self.rows_per_seq if self.rows_per_seq else 0
+        inner = flat.shape[1:]
+        strides = (self.seq_stride * flat.stride(0), flat.stride(0), *flat.stride()[1:])
+        return flat.as_strided((batch, self.rows_per_seq, *inner), strides)
+
+    def rows_to_positions(self, rows: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """(N, ...) per-row values -> (n_positions, ...), ``fill`` at non-row positions."""
+        if self.n_positions == self.n_rows:
+            return rows.contiguous()
+        out = rows.new_full((self.n_positions, *rows.shape[1:]), fill)
+        self.row_grid(out).copy_(rows.view(-1, self.rows_per_seq, *rows.shape[1:]))
+        return out
+
+    def positions_to_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """(n_positions, ...) -> (N, ...) loss rows (a view when positions are rows)."""
+        if self.n_positions == self.n_rows:
+            return positions
+        return self.row_grid(positions).reshape(self.n_rows, *positions.shape[1:])
+
+
+def row_layout(hidden: torch.Tensor, shift: int) -> RowLayout:
+    """The flat-position view of hidden's loss rows; copies only layouts that have none."""
+    batch, time, dim = hidden.shape
+    rows_per_seq = time - shift
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    stride_b, stride_t = hidden.stride(0), hidden.stride(1)
+    if batch == 1:  # positions are the sequence's rows
+        seq_stride, stride_pos = max(rows_per_seq, 1), stride_t
+    elif time == 1:  # positions are the batch entries
+        seq_stride, stride_pos = 1, stride_b
+    elif stride_t > 0 and stride_b % stride_t == 0 and stride_b // stride_t >= time:
+        seq_stride, stride_pos = stride_b // stride_t, stride_t
+    else:  # e.g. a batch dimension with stride 0: no flat matrix exists
+        hidden = hidden.contiguous()
+        seq_stride, stride_pos = time, dim
+    n_positions = (batch - 1) * seq_stride + rows_per_seq
+    return RowLayout(
+        hidden, n_positions, seq_stride, rows_per_seq, stride_pos, batch * rows_per_seq
+    )
+
+
+def tma_ok(tensor: torch.Tensor, row_stride: int) -> bool:
+    """Can a 2-D TMA descriptor with this row stride address ``tensor``'s rows?"""
+    elem = tensor.element_size()
+    return (
+        tensor.stride(-1) == 1
+        and tensor.data_ptr() % 16 == 0
+        and (row_stride * elem) % 16 == 0
+        and tensor.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    )
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """Triton's precision for float32 dots, following torch's matmul setting."""
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def operand_args(layout: RowLayout, classifier: torch.Tensor, config: TileConfig):
+    """(hidden, classifier, USE_TMA): descriptors when both operands allow TMA, else tensors."""
+    dim = classifier.shape[1]
+    use_tma = tma_ok(layout.matrix, layout.stride_pos) and tma_ok(classifier, classifier.stride(0))
+    if not use_tma:
+        return layout.matrix, classifier, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    hidden_desc = TensorDescriptor(
+        layout.matrix,
+        [layout.n_positions, dim],
+        [layout.stride_pos, 1],
+        [config.block_n, config.block_d],
+    )
+    classifier_desc = TensorDescriptor(
+        classifier,
+        list(classifier.shape),
+        [classifier.stride(0), 1],
+        [config.block_v, config.block_d],
+    )
+    return hidden_desc, classifier_desc, True
+
+
+@triton.jit
+def tile_rows(
+    pid_n, n_positions, seq_stride, rows_per_seq, shift, stride_tb, stride_tt, BLOCK_N: tl.constexpr
+):
+    """Positions of row block ``pid_n``: (first position, clamped positions, loss rows, valid,
+    int64 offsets of their targets)."""
+    first = pid_n * BLOCK_N
+    pos = first + tl.arange(0, BLOCK_N)
+    pos_c = tl.minimum(pos, n_positions - 1)
+    b = pos_c // seq_stride
+    t = pos_c - b * seq_stride
+    valid = (pos < n_positions) & (t < rows_per_seq)
+    t = tl.minimum(t, rows_per_seq - 1)
+    row = b.to(tl.int64) * rows_per_seq + t
+    t_off = b.to(tl.int64) * stride_tb + (t + shift).to(tl.int64) * stride_tt
+    return first, pos_c, row, valid, t_off
 
 
 @triton.jit
@@ -37,56 +164,54 @@ def cap_logits(y, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def logit_grad_factor(z, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
-    """dz / dy for z = cap_logits(y)."""
-    if HAS_SOFTCAP:
-        u = z / softcap
-        return logit_scale * (1.0 - u * u)
-    return logit_scale
-
-
-@triton.jit
 def logits_tile(
     hidden,
     classifier,
-    h_off,
-    c_off,
+    first_pos,
+    first_col,
+    pos_c,
+    cols_c,
     dim,
-    stride_hd,
-    stride_cd,
+    stride_pos,
+    stride_cv,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """hidden[rows] @ classifier[cols].T for one (BLOCK_N, BLOCK_V) tile, float32.
+    """hidden[positions] @ classifier[cols].T for one (BLOCK_N, BLOCK_V) tile, float32.
 
-    ``h_off`` / ``c_off`` are the int64 element offsets of the tile's rows in hidden and in
-    classifier; callers clamp out-of-range rows and columns to valid ones, so only the last,
-    partial D block needs a mask.
+    With USE_TMA, ``hidden`` and ``classifier`` are TMA descriptors (out-of-bounds rows,
+    columns and D are zero-filled); otherwise pointers, with ``pos_c`` / ``cols_c`` clamped to
+    valid rows so that only the D tail needs a mask.
     """
-    offs_d = tl.arange(0, BLOCK_D)
-    h_ptrs = hidden + h_off[:, None] + offs_d[None, :] * stride_hd
-    c_ptrs = classifier + c_off[None, :] + offs_d[:, None] * stride_cd
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    for k in range(0, tl.cdiv(dim, BLOCK_D)):
-        if EVEN_D:
-            h = tl.load(h_ptrs)
-            c = tl.load(c_ptrs)
-        else:
+    if USE_TMA:
+        for k in range(0, tl.cdiv(dim, BLOCK_D)):
+            h = hidden.load([first_pos, k * BLOCK_D])
+            c = classifier.load([first_col, k * BLOCK_D])
+            if UPCAST_DOT:
+                # The CPU interpreter mis-evaluates bf16 dots; bf16 products are exact in
+                # float32, so upcasting computes the same tile.
+                h = h.to(tl.float32)
+                c = c.to(tl.float32)
+            acc = tl.dot(h, c.T, acc, input_precision=DOT_PRECISION)
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
+        h_ptrs = hidden + pos_c.to(tl.int64)[:, None] * stride_pos + offs_d[None, :]
+        c_ptrs = classifier + cols_c.to(tl.int64)[None, :] * stride_cv + offs_d[:, None]
+        for k in range(0, tl.cdiv(dim, BLOCK_D)):
             remaining = dim - k * BLOCK_D
             h = tl.load(h_ptrs, mask=offs_d[None, :] < remaining, other=0.0)
             c = tl.load(c_ptrs, mask=offs_d[:, None] < remaining, other=0.0)
-        if UPCAST_DOT:
-            # The CPU interpreter mis-evaluates bf16 dots; bf16 products are exact in float32,
-            # so upcasting computes the same tile.
-            h = h.to(tl.float32)
-            c = c.to(tl.float32)
-        acc = tl.dot(h, c, acc, input_precision=DOT_PRECISION)
-        h_ptrs += BLOCK_D * stride_hd
-        c_ptrs += BLOCK_D * stride_cd
+            if UPCAST_DOT:
+                h = h.to(tl.float32)
+                c = c.to(tl.float32)
+            acc = tl.dot(h, c, acc, input_precision=DOT_PRECISION)
+            h_ptrs += BLOCK_D
+            c_ptrs += BLOCK_D
     return acc
 
 
@@ -105,3 +230,8 @@ def grouped_tile(
     pid_n = first_n + (pid % per_group) % group_size
     pid_v = (pid % per_group) // group_size
     return pid_n, pid_v
+
+
+def launch_grid(n_positions: int, cols: int, config: TileConfig, tiles: int = 1) -> tuple[int]:
+    blocks_v = triton.cdiv(cols, config.block_v * tiles)
+    return (triton.cdiv(n_positions, config.block_n) * blocks_v,)

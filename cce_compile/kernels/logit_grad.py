@@ -17,9 +17,21 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .common import cap_logits, grouped_tile, logit_grad_factor, logits_tile, row_offsets
-from .lse_forward import TileConfig, dot_precision
+from .common import (
+    TileConfig,
+    cap_logits,
+    dot_precision,
+    grouped_tile,
+    launch_grid,
+    logits_tile,
+    operand_args,
+    row_layout,
+    tile_rows,
+    tma_ok,
+)
+from .lse_forward import check_operands
 
 
 @triton.jit
@@ -34,8 +46,9 @@ def _logit_grad_kernel(
     coef_t,
     coef_w,
     slab,
-    n_rows,
-    rows_per_batch,
+    n_positions,
+    seq_stride,
+    rows_per_seq,
     vocab,
     dim,
     shift,
@@ -43,11 +56,8 @@ def _logit_grad_kernel(
     width,
     logit_scale,
     softcap,
-    stride_hb,
-    stride_ht,
-    stride_hd,
+    stride_pos,
     stride_cv,
-    stride_cd,
     stride_tb,
     stride_tt,
     stride_sn,
@@ -55,7 +65,7 @@ def _logit_grad_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -63,65 +73,69 @@ def _logit_grad_kernel(
     BLOCK_D: tl.constexpr,
     GROUP_N: tl.constexpr,
 ):
-    pid_n, pid_v = grouped_tile(tl.program_id(0), n_rows, width, BLOCK_N, BLOCK_V, GROUP_N)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < n_rows
-    local_cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    pid_n, pid_v = grouped_tile(tl.program_id(0), n_positions, width, BLOCK_N, BLOCK_V, GROUP_N)
+    first, pos_c, _, _, t_off = tile_rows(
+        pid_n, n_positions, seq_stride, rows_per_seq, shift, stride_tb, stride_tt, BLOCK_N
+    )
+    pos = first + tl.arange(0, BLOCK_N)
+    in_range = pos < n_positions
+    first_local = pid_v * BLOCK_V
+    local_cols = first_local + tl.arange(0, BLOCK_V)
     cols = col_start + local_cols
     col_ok = (local_cols < width) & (cols < vocab)
-    out_ptrs = slab + rows.to(tl.int64)[:, None] * stride_sn + local_cols[None, :]
-    out_mask = row_ok[:, None] & col_ok[None, :]
 
-    c_p = tl.load(coef_p + rows, mask=row_ok, other=0.0)
-    c_t = tl.load(coef_t + rows, mask=row_ok, other=0.0)
-    c_w = tl.load(coef_w + rows, mask=row_ok, other=0.0)
+    # Per-position coefficients: 0 at positions that are no loss row (past T - shift).
+    c_p = tl.load(coef_p + pos_c)
+    c_t = tl.load(coef_t + pos_c)
+    c_w = tl.load(coef_w + pos_c)
     # NaN coefficients (out-of-range targets) count as active and poison their row.
-    active = (c_p != 0.0) | (c_t != 0.0) | (c_w != 0.0)
+    active = in_range & ((c_p != 0.0) | (c_t != 0.0) | (c_w != 0.0))
     if tl.max(active.to(tl.int32), axis=0) == 0:
-        tl.store(
-            out_ptrs,
-            tl.zeros((BLOCK_N, BLOCK_V), tl.float32).to(slab.dtype.element_ty),
-            mask=out_mask,
+        grad = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
+    else:
+        cols_c = tl.minimum(cols, vocab - 1)
+        acc = logits_tile(
+            hidden,
+            classifier,
+            first,
+            col_start + first_local,
+            pos_c,
+            cols_c,
+            dim,
+            stride_pos,
+            stride_cv,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+            USE_TMA,
+            UPCAST_DOT,
+            DOT_PRECISION,
         )
-        return
-
-    rows_c = tl.minimum(rows, n_rows - 1)
-    h_off, t_off = row_offsets(
-        rows_c, rows_per_batch, shift, stride_hb, stride_ht, stride_tb, stride_tt
-    )
-    cols_c = tl.minimum(cols, vocab - 1)
-    acc = logits_tile(
-        hidden,
-        classifier,
-        h_off,
-        cols_c.to(tl.int64) * stride_cv,
-        dim,
-        stride_hd,
-        stride_cd,
-        BLOCK_N,
-        BLOCK_V,
-        BLOCK_D,
-        EVEN_D,
-        UPCAST_DOT,
-        DOT_PRECISION,
-    )
-    if HAS_BIAS:
-        acc += tl.load(bias + cols_c).to(tl.float32)[None, :]
-    z = cap_logits(acc, logit_scale, softcap, HAS_SOFTCAP)
-    row_lse = tl.load(lse + rows_c)
-    grad = c_p[:, None] * tl.exp(z - row_lse[:, None])
-    tgt = tl.load(targets + t_off)
-    grad -= tl.where(cols[None, :] == tgt[:, None], c_t[:, None], 0.0)
-    if HAS_SMOOTHING:
-        if HAS_WEIGHTS:
-            w = tl.load(class_weights + cols_c).to(tl.float32)
-            grad -= c_w[:, None] * w[None, :]
-        else:
-            grad -= c_w[:, None]
-    grad *= logit_grad_factor(z, logit_scale, softcap, HAS_SOFTCAP)
-    # where(), not a product: an ignored row's placeholder lse may overflow exp().
-    grad = tl.where(active[:, None], grad, 0.0)
-    tl.store(out_ptrs, grad.to(slab.dtype.element_ty), mask=out_mask)
+        if HAS_BIAS:
+            acc += tl.load(bias + cols_c).to(tl.float32)[None, :]
+        z = cap_logits(acc, logit_scale, softcap, HAS_SOFTCAP)
+        grad = c_p[:, None] * tl.exp(z - tl.load(lse + pos_c)[:, None])
+        tgt = tl.load(targets + t_off)
+        grad -= tl.where(cols[None, :] == tgt[:, None], c_t[:, None], 0.0)
+        if HAS_SMOOTHING:
+            if HAS_WEIGHTS:
+                w = tl.load(class_weights + cols_c).to(tl.float32)
+                grad -= c_w[:, None] * w[None, :]
+            else:
+                grad -= c_w[:, None]
+        if HAS_SOFTCAP:
+            u = z / softcap
+            grad = grad * (1.0 - u * u)
+        grad = grad * logit_scale
+        # where(), not a product: an ignored row's placeholder lse may overflow exp().
+        grad = tl.where(active[:, None], grad, 0.0)
+    if USE_TMA:
+        # Out-of-bounds rows and columns of the tile are clipped by the copy engine.
+        slab.store([first, first_local], grad.to(slab.dtype))
+    else:
+        # Pointers built after the main loop, so they hold no registers during it.
+        out_ptrs = slab + pos.to(tl.int64)[:, None] * stride_sn + local_cols[None, :]
+        tl.store(out_ptrs, grad.to(slab.dtype.element_ty), mask=in_range[:, None] & col_ok[None, :])
 
 
 def logit_grad(
@@ -139,37 +153,53 @@ def logit_grad(
     logit_scale: float,
     softcap: float,
     smoothing: bool,
-    config: TileConfig = TileConfig(),
+    config: TileConfig | None = None,
 ) -> torch.Tensor:
-    """Fill ``slab`` (N x width, row stride free, unit column stride) with the gradient of
-    the loss w.r.t. the pre-activation logits of classes [col_start, col_start + width)."""
-    batch, time, dim = hidden.shape
-    vocab = classifier.shape[0]
-    n_rows = batch * (time - shift)
+    """Fill ``slab`` (positions x width, unit column stride) with the gradient of the loss
+    w.r.t. the pre-activation logits of classes [col_start, col_start + width).
+
+    Everything is indexed by *position* of ``row_layout(hidden, shift)``: ``lse`` and the
+    coefficient vectors are (n_positions,) float32 (coefficients 0 at positions that are no
+    loss row), and so are the slab's rows — the layout that the cuBLAS GEMMs consuming the slab
+    read without copies."""
+    config = config or TileConfig()
+    bias, class_weights, classifier = check_operands(
+        hidden, classifier, targets, bias, class_weights, shift
+    )
+    vocab, dim = classifier.shape
+    layout = row_layout(hidden, shift)
+    n_positions = layout.n_positions
     width = slab.shape[1]
-    if classifier.shape != (vocab, dim) or targets.shape != (batch, time):
-        raise ValueError("classifier must be (V, D) and targets (B, T) for hidden (B, T, D)")
-    if slab.shape[0] != n_rows or slab.stride(1) != 1:
-        raise ValueError(f"slab must be ({n_rows}, width) with unit column stride")
+    if slab.shape[0] != n_positions or slab.stride(1) != 1:
+        raise ValueError(f"slab must be ({n_positions}, width) with unit column stride")
     if col_start < 0 or col_start + width > vocab:
         raise ValueError(f"slab columns [{col_start}, {col_start + width}) outside [0, {vocab})")
     for name, t in zip(("lse", "coef_p", "coef_t", "coef_w"), (lse, *coefs)):
-        if t.shape != (n_rows,) or t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32 ({n_rows},)")
-    if n_rows == 0 or width == 0:
+        if t.shape != (n_positions,) or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 ({n_positions},)")
+    if n_positions == 0 or width == 0:
         return slab
-    grid = (triton.cdiv(n_rows, config.block_n) * triton.cdiv(width, config.block_v),)
-    _logit_grad_kernel[grid](
-        hidden,
-        classifier,
+    hidden_arg, classifier_arg, use_tma = operand_args(layout, classifier, config)
+    slab_arg = slab
+    if use_tma and tma_ok(slab, slab.stride(0)):
+        slab_arg = TensorDescriptor(
+            slab, list(slab.shape), [slab.stride(0), 1], [config.block_n, config.block_v]
+        )
+    else:
+        use_tma = False
+        hidden_arg, classifier_arg = layout.matrix, classifier
+    _logit_grad_kernel[launch_grid(layout.n_positions, width, config)](
+        hidden_arg,
+        classifier_arg,
         bias if bias is not None else classifier,
         class_weights if class_weights is not None else classifier,
         targets,
         lse,
         *coefs,
-        slab,
-        n_rows,
-        time - shift,
+        slab_arg,
+        layout.n_positions,
+        layout.seq_stride,
+        layout.rows_per_seq,
         vocab,
         dim,
         shift,
@@ -177,15 +207,15 @@ def logit_grad(
         width,
         float(logit_scale),
         float(softcap) if softcap else 1.0,
-        *hidden.stride(),
-        *classifier.stride(),
+        layout.stride_pos,
+        classifier.stride(0),
         *targets.stride(),
         slab.stride(0),
         HAS_BIAS=bias is not None,
         HAS_SOFTCAP=bool(softcap),
         HAS_WEIGHTS=class_weights is not None,
         HAS_SMOOTHING=smoothing,
-        EVEN_D=dim % config.block_d == 0,
+        USE_TMA=use_tma,
         UPCAST_DOT=hidden.device.type == "cpu",
         DOT_PRECISION=dot_precision(hidden.dtype),
         BLOCK_N=config.block_n,

@@ -16,7 +16,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def small_config():
-    from cce_compile.kernels.lse_forward import TileConfig
+    from cce_compile.kernels.common import TileConfig
 
     if DEVICE == "cpu":
         return TileConfig(block_n=16, block_v=16, block_d=16, group_n=2, num_warps=4, num_stages=1)
