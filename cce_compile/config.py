@@ -28,8 +28,9 @@ class Settings:
     """CCE_COMPILE: install the graph pass for plain torch.compile at `import torch`."""
     mode: str = "auto"
     """CCE_MODE: 'lean' (recompute in backward), 'fast' (gradients during forward), 'auto'."""
-    memory_budget_mb: int = 1024
-    """CCE_MEMORY_BUDGET_MB: bound on one chunk of logits, and auto's limit for fast mode."""
+    memory_budget_mb: int = 4096
+    """CCE_MEMORY_BUDGET_MB: extra memory the loss may use: fast mode's accumulator and chunk,
+    the CPU path's chunk, and auto's limit for choosing fast mode."""
     escaping_logits: str = "keep"
     """CCE_ESCAPING_LOGITS: 'keep' leaves a site whose logits escape alone; 'rewrite' fuses
     the loss anyway and keeps the escaping logits (and their gradient path) intact."""

@@ -228,6 +228,7 @@ def linear_cross_entropy(
         needs_h,
         needs_c,
         needs_b,
+        _ops.IMPLEMENTATION_VERSION,
     )
     if reduction == "none":
         loss = loss.reshape(rows_shape)

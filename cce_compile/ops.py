@@ -14,6 +14,8 @@ chunked reference (``reference``). Both return the same things.
 from __future__ import annotations
 
 import functools
+import hashlib
+import pathlib
 
 import torch
 from torch import Tensor
@@ -22,6 +24,26 @@ from . import config, reference
 from .loss_math import LossSpec, check_targets_in_range, row_targets
 
 _EMPTY = (0,)
+
+
+def _source_hash() -> int:
+    """A 31-bit hash of the sources that define what the op and its backward compute."""
+    package = pathlib.Path(__file__).parent
+    files = [
+        package / name for name in ("ops.py", "loss_math.py", "reference.py", "triton_path.py")
+    ]
+    files += sorted((package / "kernels").glob("*.py"))
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.read_bytes())
+    return int.from_bytes(digest.digest()[:4], "little") & 0x7FFFFFFF
+
+
+# Passed as the op's last argument by every caller. PyTorch's AOTAutograd and FX graph caches
+# key a custom op by its name and arguments only, not by its autograd formula: with this
+# number in the graph, an upgrade of cce_compile misses the cache instead of replaying a
+# backward graph traced from old code.
+IMPLEMENTATION_VERSION = _source_hash()
 
 
 def _spec(ignore_index, reduction, label_smoothing, softcap, logit_scale, shift, z_loss):
@@ -83,6 +105,7 @@ def linear_cross_entropy(
     grad_hidden: bool,
     grad_classifier: bool,
     grad_bias: bool,
+    implementation_version: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (loss, lse, fast_grad_hidden, fast_grad_classifier, fast_grad_bias).
 
@@ -136,6 +159,7 @@ def _(
     grad_hidden,
     grad_classifier,
     grad_bias,
+    implementation_version,
 ):
     rows = _row_shape(hidden, shift)
     f32 = torch.float32
@@ -163,6 +187,9 @@ def linear_cross_entropy_backward(
     bias: Tensor | None,
     class_weights: Tensor | None,
     lse: Tensor,
+    fast_grad_hidden: Tensor | None,
+    fast_grad_classifier: Tensor | None,
+    fast_grad_bias: Tensor | None,
     ignore_index: int,
     reduction: str,
     label_smoothing: float,
@@ -175,27 +202,44 @@ def linear_cross_entropy_backward(
     grad_classifier: bool,
     grad_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients for (hidden, classifier, bias) in their dtypes; empty where not requested."""
+    """Gradients for (hidden, classifier, bias) in their dtypes; empty where not requested.
+
+    With the ``fast_grad_*`` buffers (fast mode's forward), the loss's part is those buffers
+    scaled by ``grad_loss``; only the lse's part, if any, is recomputed.
+    """
     spec = _spec(ignore_index, reduction, label_smoothing, softcap, logit_scale, shift, z_loss)
     needs = reference.Needs(grad_hidden, grad_classifier, grad_bias and bias is not None)
-    grad_h, grad_c, grad_b = _implementation(hidden.device).backward(
-        grad_loss.reshape(-1) if grad_loss is not None and reduction == "none" else grad_loss,
-        grad_lse.reshape(-1) if grad_lse is not None else None,
-        hidden,
-        classifier,
-        targets,
-        bias,
-        class_weights,
-        lse.reshape(-1),
-        spec,
-        lse_all_rows=lse_all_rows,
-        needs=needs,
-        budget_bytes=_budget_bytes(),
-    )
+    impl = _implementation(hidden.device)
+    grads: list[Tensor | None] = [None, None, None]
+    fast = (fast_grad_hidden, fast_grad_classifier, fast_grad_bias)
+    if grad_loss is not None and any(f is not None for f in fast):
+        for i, (buffer, like) in enumerate(zip(fast, (hidden, classifier, bias))):
+            if buffer is not None and (needs.hidden, needs.classifier, needs.bias)[i]:
+                grads[i] = impl.scale_to(buffer, grad_loss, like.dtype)
+        grad_loss = None  # consumed
+    if grad_loss is not None or grad_lse is not None:
+        computed = impl.backward(
+            grad_loss.reshape(-1) if grad_loss is not None and reduction == "none" else grad_loss,
+            grad_lse.reshape(-1) if grad_lse is not None else None,
+            hidden,
+            classifier,
+            targets,
+            bias,
+            class_weights,
+            lse.reshape(-1),
+            spec,
+            lse_all_rows=lse_all_rows,
+            needs=needs,
+            budget_bytes=_budget_bytes(),
+        )
+        for i, (extra, like) in enumerate(zip(computed, (hidden, classifier, bias))):
+            if extra is not None:
+                extra = extra.to(like.dtype)
+                grads[i] = extra if grads[i] is None else grads[i] + extra
     return (
-        grad_h if grad_h is not None else _empty(hidden),
-        grad_c.to(classifier.dtype) if grad_c is not None else _empty(classifier),
-        grad_b.to(bias.dtype) if grad_b is not None else _empty(classifier),
+        grads[0] if grads[0] is not None else _empty(hidden),
+        grads[1] if grads[1] is not None else _empty(classifier),
+        grads[2] if grads[2] is not None else _empty(classifier),
     )
 
 
@@ -209,6 +253,9 @@ def _(
     bias,
     class_weights,
     lse,
+    fast_grad_hidden,
+    fast_grad_classifier,
+    fast_grad_bias,
     ignore_index,
     reduction,
     label_smoothing,
@@ -245,6 +292,14 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
     ctx.static = tuple(inputs[_STATIC])
     ctx.fast = inputs[_MODE] == "fast"
+    if inputs[-1] != IMPLEMENTATION_VERSION:
+        raise RuntimeError(
+            "cce::linear_cross_entropy was called with implementation_version "
+            f"{inputs[-1]}, this cce_compile is {IMPLEMENTATION_VERSION}: a stale compiled "
+            "graph; clear the torch.compile caches (TORCHINDUCTOR_CACHE_DIR)"
+        )
+    # Which fast-mode buffers the forward filled: static flags, not sizes (no guards).
+    ctx.fast_filled = (inputs[14], inputs[15], inputs[16] and bias is not None)
     ctx.has_bias = bias is not None
     ctx.save_for_backward(
         hidden, classifier, targets, bias, class_weights, lse, fast_h, fast_c, fast_b
@@ -261,35 +316,35 @@ def _backward(ctx, grad_loss, grad_lse, *_unused):
         raise RuntimeError(
             "the derivative for 'class_weights' is not implemented (as in F.cross_entropy)"
         )
-    grads: list[Tensor | None] = [None, None, None]
-    if ctx.fast and grad_loss is not None:
-        scale = grad_loss.float()
-        if needs_h:
-            grads[0] = torch.mul(fast_h, scale)
-        if needs_c:
-            grads[1] = torch.mul(fast_c, scale).to(classifier.dtype)
-        if needs_b:
-            grads[2] = torch.mul(fast_b, scale).to(bias.dtype)
-        grad_loss = None  # consumed
-    if grad_loss is not None or grad_lse is not None:
-        computed = torch.ops.cce.linear_cross_entropy_backward(
-            grad_loss,
-            grad_lse,
-            hidden,
-            classifier,
-            targets,
-            bias,
-            class_weights,
-            lse,
-            *ctx.static,
-            needs_h,
-            needs_c,
-            needs_b,
-        )
-        for i, (wanted, extra) in enumerate(zip((needs_h, needs_c, needs_b), computed)):
-            if wanted:
-                grads[i] = extra if grads[i] is None else grads[i] + extra
-    return grads[0], grads[1], None, grads[2], *([None] * 13)
+    no_grads = (None,) * 18
+    if grad_loss is None and grad_lse is None:
+        return no_grads
+    fast = tuple(
+        buffer if ctx.fast and filled else None
+        for buffer, filled in zip((fast_h, fast_c, fast_b), ctx.fast_filled)
+    )
+    grad_h, grad_c, grad_b = torch.ops.cce.linear_cross_entropy_backward(
+        grad_loss,
+        grad_lse,
+        hidden,
+        classifier,
+        targets,
+        bias,
+        class_weights,
+        lse,
+        *fast,
+        *ctx.static,
+        needs_h,
+        needs_c,
+        needs_b,
+    )
+    return (
+        grad_h if needs_h else None,
+        grad_c if needs_c else None,
+        None,
+        grad_b if needs_b else None,
+        *([None] * 14),
+    )
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)

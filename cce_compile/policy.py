@@ -6,8 +6,10 @@
   backward only scales them by the upstream gradient, so it needs a scalar loss ('mean' or
   'sum'). Extra memory: a float32 classifier-gradient accumulator (V x D) and one chunk.
 
-'auto' takes fast whenever it is valid and its extra memory fits the budget
-(``memory_budget_mb``), else lean; the measurements behind it are in bench/results/.
+'auto' takes fast whenever it is valid and its accumulator plus a chunk of at least
+MIN_FAST_CHUNK_BYTES fits the budget (``memory_budget_mb``, 4 GiB by default), else lean; fast
+mode then gives its chunk whatever the accumulator leaves of the budget. The measurements
+behind it are in bench/results/.
 """
 
 from __future__ import annotations
@@ -16,14 +18,25 @@ import logging
 
 log = logging.getLogger("cce_compile")
 
-# One chunk of bf16/fp16 logits that fast mode keeps on the GPU beside its accumulators.
-_FAST_CHUNK_BYTES = 512 * 2**20
+# The smallest chunk of logits worth running fast mode with: below it the float32 classifier
+# accumulator is re-read so often that lean mode is as fast (bench/results/tune.md).
+MIN_FAST_CHUNK_BYTES = 256 * 2**20
+
+
+def fast_accumulator_bytes(vocab: int, dim: int, needs_classifier: bool) -> int:
+    """Fast mode's float32 classifier-gradient accumulator (bytes)."""
+    return vocab * dim * 4 if needs_classifier else 0
+
+
+def fast_chunk_bytes(vocab: int, dim: int, needs_classifier: bool, budget_bytes: int) -> int:
+    """Bytes for one chunk of logits: what the budget leaves after the accumulator."""
+    left = budget_bytes - fast_accumulator_bytes(vocab, dim, needs_classifier)
+    return max(left, MIN_FAST_CHUNK_BYTES)
 
 
 def fast_extra_bytes(vocab: int, dim: int, needs_classifier: bool) -> int:
-    """Extra memory of fast mode beyond inputs and gradients (bytes)."""
-    accumulator = vocab * dim * 4 if needs_classifier else 0
-    return accumulator + _FAST_CHUNK_BYTES
+    """The least extra memory fast mode needs beyond inputs and gradients (bytes)."""
+    return fast_accumulator_bytes(vocab, dim, needs_classifier) + MIN_FAST_CHUNK_BYTES
 
 
 def choose_mode(

@@ -155,6 +155,11 @@ class _Accumulators:
             self.bias += grad.sum(0)
 
 
+def scale_to(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(x * scale).to(dtype) with one rounding."""
+    return torch.mul(x, scale.float()).to(dtype)
+
+
 def _prepare(hidden, classifier, targets, bias, class_weights, spec):
     vocab = classifier.shape[0]
     rows = row_targets(targets, class_weights, spec, vocab)

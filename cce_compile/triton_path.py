@@ -25,11 +25,15 @@ from .kernels.chunk_softmax_grad import chunk_softmax_grad
 from .kernels.common import RowLayout, TileConfig, row_layout
 from .kernels.logit_grad import logit_grad
 from .kernels.lse_forward import lse_forward
+from .kernels.scale_cast import scale_cast
 from .loss_math import LossSpec, finish_loss, row_coefficient_parts, row_coefficients, row_targets
+from .policy import fast_chunk_bytes
 from .reference import ForwardOut, Needs
 
-# The lean backward's slab: at most this many bytes (and at least one tile of columns).
-SLAB_BYTES = 48 * 2**20
+# The lean backward's slab: at most this many bytes (and at least one tile of columns). With
+# the small per-row vectors it keeps lean mode's extra memory under 64 MB; wider slabs save the
+# float32 d-hidden accumulator read-modify-write passes (bench/results/tune.md).
+SLAB_BYTES = 60 * 2**20
 
 
 def available() -> bool:
@@ -49,9 +53,15 @@ def _tile_config(device: torch.device, heavy: bool = False) -> TileConfig:
             num_stages=1,
             tiles_per_program=2,
         )
+    # Measured on an H200 (bench/results/tune.md): 128 x 256 tiles, one per program, were the
+    # fastest for the plain epilogue on shapes A, B and E.
     if heavy:
-        return TileConfig(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=4)
-    return TileConfig(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3)
+        return TileConfig(
+            block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=4, tiles_per_program=1
+        )
+    return TileConfig(
+        block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3, tiles_per_program=1
+    )
 
 
 def _heavy(spec: LossSpec, class_weights: torch.Tensor | None) -> bool:
@@ -156,7 +166,8 @@ def _forward_fast(hidden, classifier, bias, class_weights, spec, rows, needs, bu
     to_positions = layout.rows_to_positions
     work_dtype = _work_dtype(hidden)
     elem = torch.finfo(work_dtype).bits // 8
-    chunk = max(1, min(n_positions, budget_bytes // (vocab * elem)))
+    chunk_bytes = fast_chunk_bytes(vocab, dim, needs.classifier, budget_bytes)
+    chunk = max(1, min(n_positions, chunk_bytes // (vocab * elem)))
     parts = row_coefficient_parts(torch.ones((), device=device), None, rows, spec, vocab)
     p_base, coef_t, coef_w = (to_positions(v) for v in (parts.p_base, parts.coef_t, parts.coef_w))
     p_per_lse = None if parts.p_per_lse is None else to_positions(parts.p_per_lse)
@@ -204,6 +215,13 @@ def _forward_fast(hidden, classifier, bias, class_weights, spec, rows, needs, bu
         out.grad_hidden = _hidden_grad(grad_positions, layout, hidden)
     out.grad_classifier, out.grad_bias = grad_classifier, grad_bias
     return out
+
+
+def scale_to(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(x * scale).to(dtype) with one rounding, in one pass on the GPU."""
+    if x.device.type == "cpu":
+        return torch.mul(x, scale.float()).to(dtype)
+    return scale_cast(x.contiguous(), scale, dtype)
 
 
 def slab_width(n_rows: int, vocab: int, elem_bytes: int, block_v: int, budget: int) -> int:

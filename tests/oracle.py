@@ -122,24 +122,58 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor, scale: float = 0.0) 
 
 
 def gradient_scale(case: Case, upstream_loss: torch.Tensor, upstream_lse, leaves) -> list[float]:
-    """Per leaf, 0.1 x the norm of the gradient of sum_i (|a_i| + |g_i|) lse_i, no softcap.
+    """Per leaf, the norm of the gradient of sum_i (|a_i| + |g_i|) (lse_i + z_it), no softcap.
 
-    The size of one term of the exact gradient before cancellation: (softmax - onehot) terms
-    cancel when the model is confident (or V = 1), and a saturated softcap multiplies them by
-    1 - tanh^2, which float32 can only compute to an absolute (not relative) error. This is the
-    natural floor for a relative error. ``a_i`` is the upstream gradient of row i's loss
-    (divided by the row count for 'mean'), ``g_i`` that of its lse (or 0).
+    The exact gradient is (softmax - onehot) * upstream: its terms cancel when the model is
+    confident (or V = 1), a saturated softcap multiplies them by 1 - tanh^2 (which float32
+    only gets to an absolute error), and the GPU path rounds d loss / d logits to the inputs'
+    dtype before the GEMMs, as eager PyTorch does. Each of these errors is relative to the
+    *sum* of the terms' sizes, softmax plus onehot, which is this. ``a_i`` is the upstream
+    gradient of row i's loss (divided by the row count for 'mean'), ``g_i`` that of its lse.
     """
     uncapped = dataclasses.replace(case, softcap=None)
     _, lse = oracle(uncapped, return_lse=True)
+    targets = case.targets[..., case.shift :] if case.shift else case.targets
     factor = upstream_loss.abs().expand_as(lse)
     if case.reduction == "mean":
-        targets = case.targets[..., case.shift :] if case.shift else case.targets
         factor = factor / max(int((targets != case.ignore_index).sum()), 1)
     if upstream_lse is not None:
         factor = factor + upstream_lse.abs()
-    grads = torch.autograd.grad((factor * lse).sum(), leaves, allow_unused=True)
-    return [0.0 if g is None else 0.1 * g.norm().item() for g in grads]
+    hidden = (
+        case.hidden[..., : case.hidden.shape[-2] - case.shift, :] if case.shift else case.hidden
+    )
+    logits = oracle_logits(hidden, case.classifier, case.bias, None, case.logit_scale)
+    vocab = case.classifier.shape[0]
+    in_range = (targets >= 0) & (targets < vocab)
+    target_logit = torch.where(
+        in_range, logits.gather(-1, targets.clamp(0, vocab - 1).long()[..., None])[..., 0], 0.0
+    )
+    total = (factor * (lse + target_logit.reshape(lse.shape))).sum()
+    grads = torch.autograd.grad(total, leaves, allow_unused=True)
+    return [0.0 if g is None else g.norm().item() for g in grads]
+
+
+def loss_scale(case: Case) -> float:
+    """Size of the terms of the loss, sum over rows of |lse_i| + |z_it| (reduced like the loss).
+
+    A confident row's loss lse - z_t is far smaller than either term, and float32 can only
+    get it to an absolute error relative to the terms: the natural floor for its error.
+    """
+    with torch.no_grad():
+        _, lse = oracle(case, return_lse=True)
+        hidden = (
+            case.hidden[..., : case.hidden.shape[-2] - case.shift, :] if case.shift else case.hidden
+        )
+        targets = case.targets[..., case.shift :] if case.shift else case.targets
+        logits = oracle_logits(hidden, case.classifier, case.bias, case.softcap, case.logit_scale)
+        vocab = case.classifier.shape[0]
+        valid = (targets != case.ignore_index) & (targets >= 0) & (targets < vocab)
+        picked = logits.gather(-1, targets.clamp(0, vocab - 1).long()[..., None])[..., 0]
+        terms = torch.where(valid, lse.abs() + picked.abs(), 0.0) * (1 + case.label_smoothing)
+        if case.reduction == "none":
+            return terms.norm().item()
+        total = terms.sum().item()
+        return total / max(int(valid.sum()), 1) if case.reduction == "mean" else total
 
 
 def assert_close(

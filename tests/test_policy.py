@@ -52,3 +52,12 @@ def test_explicit_modes():
     assert choose("fast", reduction="none") == "lean"  # configured: falls back
     with pytest.raises(ValueError, match="fast"):
         choose("fast", reduction="none", explicit=True)
+
+
+def test_fast_chunk_takes_what_the_accumulator_leaves():
+    from cce_compile.policy import MIN_FAST_CHUNK_BYTES, fast_chunk_bytes
+
+    accumulator = 1000 * 64 * 4
+    assert fast_chunk_bytes(1000, 64, True, accumulator + 10**9) == 10**9
+    assert fast_chunk_bytes(1000, 64, True, accumulator) == MIN_FAST_CHUNK_BYTES
+    assert fast_chunk_bytes(1000, 64, False, 10**9) == 10**9

@@ -90,10 +90,16 @@ def test_several_backward_slabs(monkeypatch):
 
 
 def test_several_fast_chunks(monkeypatch):
-    from cce_compile import ops
+    from cce_compile import triton_path
 
     vocab = 45
-    monkeypatch.setattr(ops, "_budget_bytes", lambda: 5 * vocab * 4)  # 5 float32 rows a chunk
+    chunks = []
+
+    def five_rows(vocab_, dim, needs_classifier, budget):
+        chunks.append(budget)
+        return 5 * vocab_ * 4  # five float32 rows of logits per chunk
+
+    monkeypatch.setattr(triton_path, "fast_chunk_bytes", five_rows)
     case = build_case(
         leading=(4, 7),
         dim=18,
@@ -105,6 +111,7 @@ def test_several_fast_chunks(monkeypatch):
         seed=11,
     )
     run_and_compare(to_device(case), mode="fast")
+    assert chunks, "fast mode must size its chunks through fast_chunk_bytes"
 
 
 @pytest.mark.parametrize("dim, tma", [(32, True), (37, False)], ids=["tma", "pointers"])
