@@ -45,6 +45,7 @@ POINTER_TYPES = {  # parameter name -> element type; the rest are i32 ints or fp
     "out": "fp32",
 }
 FLOATS = {"logit_scale", "softcap"}
+DTYPE = ["bf16"]  # operand element type of the report (--dtype)
 UNIT_STRIDES = {"stride_tt"}
 
 
@@ -70,7 +71,7 @@ def compile_report(kernel, constexprs, num_warps, num_stages):
                 "classifier": [constexprs["BLOCK_V"], constexprs["BLOCK_D"]],
                 "slab": [constexprs["BLOCK_N"], constexprs["BLOCK_V"]],
             }[p]
-            signature[p] = f"tensordesc<bf16{block}>"
+            signature[p] = f"tensordesc<{DTYPE[0]}{block}>"
         elif p in POINTER_TYPES:
             signature[p] = "*" + POINTER_TYPES[p]
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -125,8 +126,13 @@ def main():
     parser.add_argument("--warps", type=int, default=8)
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--flags", default="", help="comma list of constexpr flags set True")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--precision", default="ieee", help="DOT_PRECISION for float32 dots")
     args = parser.parse_args()
     bn, bv, bd = (int(x) for x in args.block.split(","))
+    DTYPE[0] = args.dtype
+    for name in ("hidden", "classifier", "bias", "slab", "logits"):
+        POINTER_TYPES[name] = args.dtype
     kernel = kernel_by_name(args.kernel)
     params = inspect.signature(kernel.fn).parameters
     constexprs = {p: False for p in params if p.isupper()}
@@ -136,7 +142,7 @@ def main():
             "BLOCK_V": bv,
             "BLOCK_D": bd,
             "GROUP_N": 8,
-            "DOT_PRECISION": "ieee",
+            "DOT_PRECISION": args.precision,
             "EVEN_D": True,
             "BLOCK": bv,
             "TILES": 4,

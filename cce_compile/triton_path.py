@@ -40,9 +40,13 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
-def _tile_config(device: torch.device, heavy: bool = False) -> TileConfig:
-    """Tiles for the GEMM kernels. ``heavy``: softcap / label smoothing / class weights add
-    epilogue registers, and 128 x 256 tiles would spill (bench/sass_report.py)."""
+def _tile_config(device: torch.device, heavy: bool = False, elem_bytes: int = 2) -> TileConfig:
+    """Tiles for the GEMM kernels.
+
+    ``heavy``: softcap / label smoothing / class weights add epilogue registers, and 128 x 256
+    tiles would spill (bench/sass_report.py). float32 operands take twice the shared memory
+    per stage: 128 x 128 x 32 tiles keep three stages within the 227 KB of a Hopper SM.
+    """
     if device.type == "cpu":  # interpreter: small tiles, several per test shape
         return TileConfig(
             block_n=16,
@@ -52,6 +56,10 @@ def _tile_config(device: torch.device, heavy: bool = False) -> TileConfig:
             num_warps=4,
             num_stages=1,
             tiles_per_program=2,
+        )
+    if elem_bytes > 2:
+        return TileConfig(
+            block_n=128, block_v=128, block_d=32, num_warps=8, num_stages=3, tiles_per_program=1
         )
     # Measured on an H200 (bench/results/tune.md): 128 x 256 tiles, one per program, were the
     # fastest for the plain epilogue on shapes A, B and E.
@@ -146,7 +154,7 @@ def forward(
         softcap=spec.softcap,
         skip_ignored=not lse_all_rows,
         needs_wsum=spec.needs_wsum,
-        config=_tile_config(hidden.device, _heavy(spec, class_weights)),
+        config=_tile_config(hidden.device, _heavy(spec, class_weights), hidden.element_size()),
     )
     lse = torch.logsumexp(partial_lse, dim=0)
     wsum = partial_wsum.sum(0) if partial_wsum is not None else None
@@ -257,7 +265,7 @@ def backward(
         for c in row_coefficients(grad_loss, grad_lse, lse, rows, spec, vocab)
     )
     lse_positions = layout.rows_to_positions(lse)
-    config = _tile_config(device, _heavy(spec, class_weights))
+    config = _tile_config(device, _heavy(spec, class_weights), hidden.element_size())
     work_dtype = _work_dtype(hidden)
     n_positions = layout.n_positions
     width = slab_width(

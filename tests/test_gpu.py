@@ -58,7 +58,9 @@ def test_realistic_shape_matches_float64(mode, options):
     leaves64 = [t.double().requires_grad_() for t in (hidden, classifier, bias)]
     expected = reference(*leaves64[:2], targets, leaves64[2], **dict(options))
     expected.backward()
-    assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+    # Lean mode: float32 logits. Fast mode: logits rounded once to bf16 by cuBLAS, as eager.
+    tolerance = 1e-5 if mode == "lean" else 2e-3
+    assert abs(loss.item() - expected.item()) <= tolerance * abs(expected.item())
     for ours, ref in zip(leaves, leaves64):
         # bf16 gradients: one rounding of a float32 result, ||err|| / ||g|| ~ 2^-9.
         assert rel(ours.grad, ref.grad) < 5e-3

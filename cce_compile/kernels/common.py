@@ -99,11 +99,16 @@ def tma_ok(tensor: torch.Tensor, row_stride: int) -> bool:
     )
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """Triton's precision for float32 dots, following torch's matmul setting."""
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
+def dot_precision(dtype: torch.dtype, device: torch.device) -> str:
+    """Triton's precision for float32 dots, following torch's matmul setting.
+
+    Without TF32 (torch's default) float32 dots use "tf32x3": three TF32 tensor-core passes,
+    float32-level accuracy, instead of an FMA loop that spills (bench/sass_report.py). The
+    interpreter computes in float32 either way.
+    """
+    if dtype != torch.float32 or device.type == "cpu":
+        return "ieee"
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
 
 
 def operand_args(layout: RowLayout, classifier: torch.Tensor, config: TileConfig):

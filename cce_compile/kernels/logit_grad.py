@@ -217,7 +217,7 @@ def logit_grad(
         HAS_SMOOTHING=smoothing,
         USE_TMA=use_tma,
         UPCAST_DOT=hidden.device.type == "cpu",
-        DOT_PRECISION=dot_precision(hidden.dtype),
+        DOT_PRECISION=dot_precision(hidden.dtype, hidden.device),
         BLOCK_N=config.block_n,
         BLOCK_V=config.block_v,
         BLOCK_D=config.block_d,

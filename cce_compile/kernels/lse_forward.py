@@ -234,7 +234,7 @@ def lse_forward(
         SKIP_IGNORED=skip_ignored,
         USE_TMA=use_tma,
         UPCAST_DOT=device.type == "cpu",
-        DOT_PRECISION=dot_precision(hidden.dtype),
+        DOT_PRECISION=dot_precision(hidden.dtype, hidden.device),
         BLOCK_N=config.block_n,
         BLOCK_V=config.block_v,
         BLOCK_D=config.block_d,

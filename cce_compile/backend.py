@@ -1,0 +1,43 @@
+"""``cce_compile.backend``: a torch.compile backend that rewrites, then hands over to Inductor.
+
+    torch.compile(model, backend=cce_compile.backend)
+    torch.compile(model, backend="cce", mode="max-autotune")   # by name (entry point)
+
+``mode=`` and ``options=`` are applied exactly as the default backend applies them (through
+``torch._TorchCompileInductorWrapper``), and the pass also runs on the sub-graphs of
+higher-order ops such as activation checkpointing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .passes.graph_pass import run_on_module
+
+
+def backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any):
+    """Rewrite ``linear -> cross_entropy`` sites of the Dynamo graph, then compile with Inductor.
+
+    Accepts the ``mode`` and ``options`` that ``torch.compile`` passes to a custom backend.
+    """
+    mode = kwargs.pop("mode", None)
+    options = kwargs.pop("options", None)
+    if kwargs:
+        raise TypeError(f"cce_compile.backend got unexpected arguments {sorted(kwargs)}")
+    run_on_module(gm)
+    inductor = torch._TorchCompileInductorWrapper(mode, options, None)
+    return inductor(gm, example_inputs)
+
+
+def _reset() -> None:
+    # What torch.compile's reset does for the default backend (CUDA graph trees).
+    torch._TorchCompileInductorWrapper(None, None, None).reset()
+
+
+backend.reset = _reset  # type: ignore[attr-defined]
+
+# Registered by name on import too, for environments without the entry point (source trees).
+if "cce" not in torch._dynamo.list_backends(exclude_tags=()):
+    torch._dynamo.register_backend(backend, name="cce")

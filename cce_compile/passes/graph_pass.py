@@ -1,0 +1,92 @@
+"""The pass: a ``CustomGraphPass`` that rewrites every matched site of a Dynamo graph.
+
+Matches and rejections are counted in ``torch._dynamo.utils.counters["cce_compile"]``
+(``rewritten``, ``skipped:<reason>``) and every rejection is logged at debug level by the
+``cce_compile`` logger; nothing is printed. The pass is idempotent (a rewritten site no longer
+matches), adds no placeholder and recurses into nothing by itself: Inductor's pre-grad hook
+calls it once per (sub)graph, and the backend calls ``run_on_module`` for sub-graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import pathlib
+
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx import Graph, GraphModule
+
+from .. import config
+from ..ops import IMPLEMENTATION_VERSION
+from . import report
+from .matching import Rejection, Site, find_sites
+from .rewrite import OP, rewrite_site
+
+log = logging.getLogger("cce_compile")
+DISABLED = "disabled"
+
+
+@functools.cache
+def _source_digest() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(pathlib.Path(__file__).parent.glob("*.py")):
+        digest.update(path.read_bytes())
+    digest.update(str(OP._schema).encode())
+    digest.update(str(IMPLEMENTATION_VERSION).encode())
+    return digest.hexdigest()
+
+
+def pass_uuid() -> str:
+    """Covers the pass's sources, the op's schema and sources, and the settings that change
+    what the rewrite emits: a cached graph is never one from another rewrite."""
+    return f"cce_compile:{_source_digest()}:{config.get().rewrite_key()}"
+
+
+def run_pass(graph: Graph) -> list[report.SiteReport]:
+    """Rewrite every matched site of ``graph``; returns one report per candidate."""
+    settings = config.get()
+    reports = []
+    for found in find_sites(graph):
+        if isinstance(found, Site) and not settings.disable:
+            described = report.describe(found, rewritten=True)
+            rewrite_site(graph, found)
+            counters["cce_compile"]["rewritten"] += 1
+        else:
+            if isinstance(found, Site):
+                found = Rejection(found.loss, DISABLED, "CCE_DISABLE is set")
+                log.debug("cce_compile: not rewriting %s: disabled", found.loss.name)
+            described = report.describe(found, rewritten=False)
+            counters["cce_compile"][f"skipped:{found.reason}"] += 1
+        reports.append(described)
+    if any(r.rewritten for r in reports):
+        graph.lint()
+    report.record(reports)
+    return reports
+
+
+def run_on_module(gm: GraphModule) -> list[report.SiteReport]:
+    """Run on a GraphModule and on the sub-graphs its higher-order ops call (checkpointing)."""
+    reports = []
+    for _, module in gm.named_modules():
+        if isinstance(module, GraphModule):
+            found = run_pass(module.graph)
+            if any(r.rewritten for r in found):
+                module.recompile()
+            reports.extend(found)
+    return reports
+
+
+class CCEGraphPass(CustomGraphPass):
+    """Inductor pre-grad pass inserting ``cce::linear_cross_entropy``."""
+
+    def __call__(self, graph: Graph) -> None:
+        run_pass(graph)
+
+    def uuid(self) -> str:
+        return pass_uuid()
+
+
+def is_cce_pass(candidate: object) -> bool:
+    return isinstance(candidate, CCEGraphPass)

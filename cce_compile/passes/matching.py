@@ -1,0 +1,357 @@
+"""Finding ``linear -> row-wise ops -> cross_entropy`` sites in a Dynamo graph.
+
+``find_sites`` walks back from every loss node (``F.cross_entropy``, ``F.nll_loss`` over a
+last-dim ``log_softmax``) through the ops that keep each row's logits a row: casts up to
+float32, view/reshape/flatten of the leading dims, contiguous, row slices (Hugging Face's
+``logits[..., :-1, :]``), scaling by a constant and the softcap ``c * tanh(x / c)``, until it
+reaches the head (``F.linear``, ``x @ W.T`` ...). Each candidate becomes a :class:`Site` or a
+:class:`Rejection` whose reason says why it is left alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Graph, Node
+
+from .. import config
+from . import predicates as p
+
+log = logging.getLogger("cce_compile")
+
+# Reason codes (counter keys and report text).
+ESCAPES = "logits_escape"
+GRAPH_BREAK = "logits_from_graph_input"
+UNSUPPORTED_OP = "unsupported_op_in_chain"
+UNSUPPORTED_OPTION = "unsupported_option"
+DTENSOR = "dtensor_weights"
+NO_HEAD = "no_linear_head"
+
+
+@dataclasses.dataclass
+class Site:
+    """One rewritable linear -> cross-entropy site."""
+
+    loss: Node
+    head: Node
+    hidden: Node
+    classifier: Node
+    classifier_is_transposed: bool  # the head was x @ W with W (D, V): classifier is W.T
+    bias: Node | None
+    chain: list[Node]  # head output .. loss input, in forward order (head excluded)
+    log_softmax: Node | None  # the nll_loss form's log_softmax
+    transposes: list[Node]  # W.T nodes of a matmul head: erased with the chain when unused
+    row_indices: list[Any]  # row slices to replay on hidden, in forward order
+    targets: Node
+    class_weights: Node | None
+    ignore_index: int
+    reduction: str
+    label_smoothing: Any  # float or SymFloat node
+    softcap: Any  # None, float or SymFloat node
+    scale_factors: list[tuple[Any, bool]]  # (scalar, divides), product = logit_scale
+    compute_dtype: torch.dtype
+    lse_users: list[Node]  # logsumexp nodes the op's lse can serve (z-loss)
+    lse_shapes: list[str]  # per lse user: shaped like "targets", the "rows" at hidden, "flat"
+    escaping: list[Node]  # chain nodes used outside the chain (kept, under the policy)
+
+    @property
+    def rows(self) -> Any:
+        """Number of loss rows (int or SymInt) from the loss input's example value."""
+        value = p.tensor_value(self.chain[-1] if self.chain else self.head)
+        return math.prod(value.shape[:-1]) if value.dim() > 1 else 1
+
+    @property
+    def vocab(self) -> Any:
+        return p.tensor_value(self.head).shape[-1]
+
+
+@dataclasses.dataclass
+class Rejection:
+    """A loss node left alone, and why."""
+
+    loss: Node
+    reason: str
+    detail: str
+
+
+def find_sites(graph: Graph) -> list[Site | Rejection]:
+    """Every cross-entropy candidate of ``graph``, matched or rejected, in graph order."""
+    found: list[Site | Rejection] = []
+    for node in graph.nodes:
+        if p.is_cross_entropy(node) or p.is_nll_loss(node):
+            result = match_site(node)
+            if isinstance(result, Rejection):
+                log.debug(
+                    "cce_compile: not rewriting %s: %s (%s)",
+                    node.name,
+                    result.reason,
+                    result.detail,
+                )
+            found.append(result)
+    return found
+
+
+def _reject(loss: Node, reason: str, detail: str) -> Rejection:
+    return Rejection(loss, reason, detail)
+
+
+def _loss_options(loss: Node) -> dict[str, Any] | Rejection:
+    """The loss's input, target and options, normalised from any argument layout."""
+    if p.is_cross_entropy(loss):
+        args = p.bind(loss, F.cross_entropy)
+        log_softmax = None
+        logits = args["input"]
+    else:
+        args = p.bind(loss, F.nll_loss)
+        args["label_smoothing"] = 0.0
+        log_softmax = args["input"]
+        logits = p.log_softmax_input(log_softmax)
+        if logits is None:
+            return _reject(loss, UNSUPPORTED_OP, "nll_loss input is not a last-dim log_softmax")
+        if len(log_softmax.users) != 1:
+            return _reject(loss, ESCAPES, f"{log_softmax.name} has other users")
+    if args["size_average"] is not None or args["reduce"] is not None:
+        return _reject(loss, UNSUPPORTED_OPTION, "legacy size_average/reduce arguments")
+    if isinstance(args["ignore_index"], Node) or not isinstance(args["ignore_index"], int):
+        return _reject(loss, UNSUPPORTED_OPTION, "ignore_index is not a constant int")
+    if args["reduction"] not in ("mean", "sum", "none"):
+        return _reject(loss, UNSUPPORTED_OPTION, f"reduction {args['reduction']!r}")
+    smoothing = args["label_smoothing"]
+    if p.scalar(smoothing) is None:
+        return _reject(loss, UNSUPPORTED_OPTION, "label_smoothing is not a scalar")
+    logits_value, target_value = p.tensor_value(logits), p.tensor_value(args["target"])
+    if logits_value is None or target_value is None:
+        return _reject(loss, UNSUPPORTED_OPTION, "input or target without example value")
+    if target_value.dtype.is_floating_point:
+        return _reject(loss, UNSUPPORTED_OPTION, "class-probability targets")
+    if logits_value.dim() > 2:
+        return _reject(loss, UNSUPPORTED_OPTION, "class dimension is dim 1 of a >2-D input")
+    return dict(
+        logits=logits,
+        target=args["target"],
+        weight=args["weight"],
+        ignore_index=args["ignore_index"],
+        reduction=args["reduction"],
+        label_smoothing=smoothing,
+        log_softmax=log_softmax,
+    )
+
+
+@dataclasses.dataclass
+class _Walk:
+    chain: list[Node] = dataclasses.field(default_factory=list)  # loss input .. head, reversed
+    row_indices: list[Any] = dataclasses.field(default_factory=list)  # reversed
+    scale_factors: list[tuple[Any, bool]] = dataclasses.field(default_factory=list)
+    softcap: Any = None
+    seen_slice: bool = False
+    z_level: list[Node] = dataclasses.field(default_factory=list)  # nodes whose value is z
+
+
+def _walk_to_head(loss: Node, start: Node) -> tuple[Node, _Walk] | Rejection:
+    """Follow the chain from the loss input back to the head."""
+    walk = _Walk()
+    node = start
+    transformed = False  # passed a scale / softcap (walking backwards): below is not z
+    while True:
+        if p.is_linear(node) or p.is_matmul(node):
+            return node, walk
+        walk.chain.append(node)
+        if not transformed:
+            walk.z_level.append(node)
+        dtype = p.cast_dtype(node)
+        if dtype is not None:
+            if dtype != torch.float32:
+                return _reject(loss, UNSUPPORTED_OP, f"{node.name} casts the logits to {dtype}")
+            node = node.args[0]
+            continue
+        if p.is_passthrough(node):
+            node = node.args[0]
+            continue
+        if p.is_row_view(node):
+            if walk.seen_slice:  # forward order: a reshape, then a row slice of its rows
+                return _reject(loss, UNSUPPORTED_OP, f"{node.name}: rows sliced after a reshape")
+            node = node.args[0]
+            continue
+        index = p.row_index(node)
+        if index is not None:
+            walk.seen_slice = True
+            walk.row_indices.append(index)
+            node = node.args[0]
+            continue
+        capped = _softcap(node)
+        if capped is not None:
+            if walk.softcap is not None:
+                return _reject(loss, UNSUPPORTED_OP, "two softcaps")
+            if walk.scale_factors:
+                return _reject(loss, UNSUPPORTED_OP, "logits scaled after the softcap")
+            inner, walk.softcap, tanh_nodes = capped
+            walk.chain.extend(tanh_nodes)
+            transformed = True
+            node = inner
+            continue
+        scaled = p.is_scale(node)
+        if scaled is not None:
+            tensor, factor, divides = scaled
+            walk.scale_factors.append((factor, divides))
+            transformed = True
+            node = tensor
+            continue
+        if isinstance(node, Node) and node.op == "placeholder":
+            return _reject(
+                loss,
+                GRAPH_BREAK,
+                f"logits come from graph input {node.name} "
+                "(a graph break between the head and the loss?)",
+            )
+        what = node.target if isinstance(node, Node) else type(node).__name__
+        return _reject(loss, UNSUPPORTED_OP, f"{getattr(node, 'name', node)}: {what}")
+
+
+def _softcap(node: Node) -> tuple[Node, Any, list[Node]] | None:
+    """(x, c, [tanh, x/c]) for ``c * tanh(x / c)`` in either operand order."""
+    scaled = p.is_scale(node)
+    if scaled is None or scaled[2]:
+        return None
+    tanh, cap, _ = scaled
+    if not p.is_tanh(tanh):
+        return None
+    inner = p.is_scale(tanh.args[0])
+    if inner is None or not inner[2] or not p.same_scalar(inner[1], cap):
+        return None
+    return inner[0], cap, [tanh, tanh.args[0]]
+
+
+def _head_operands(head: Node) -> tuple[Node, Node, bool, Any, list[Node]] | None:
+    """(hidden, classifier, classifier_is_transposed, bias, transpose nodes) of a head."""
+    if p.is_linear(head):
+        hidden, weight, bias = p.linear_operands(head)
+        return hidden, weight, False, bias, []
+    hidden, right = head.args[0], head.args[1]
+    weight = p.transposed_matrix(right)
+    if weight is not None:
+        return hidden, weight, False, None, [right]
+    value = p.tensor_value(right)
+    if value is not None and value.dim() == 2:  # x @ W with W (D, V)
+        return hidden, right, True, None, []
+    return None
+
+
+def match_site(loss: Node) -> Site | Rejection:
+    """Match one loss node against the pattern; a Site, or a Rejection saying why not."""
+    options = _loss_options(loss)
+    if isinstance(options, Rejection):
+        return options
+    walked = _walk_to_head(loss, options["logits"])
+    if isinstance(walked, Rejection):
+        return walked
+    head, walk = walked
+    operands = _head_operands(head)
+    if operands is None:
+        return _reject(loss, NO_HEAD, f"{head.name}: matmul operand is not a 2-D weight")
+    hidden, classifier, transposed, bias, transposes = operands
+    hidden_value, weight_value = p.tensor_value(hidden), p.tensor_value(classifier)
+    head_value = p.tensor_value(head)
+    if hidden_value is None or weight_value is None or head_value is None:
+        return _reject(loss, NO_HEAD, f"{head.name}: operands without example values")
+    if p.is_dtensor(weight_value) or p.is_dtensor(hidden_value):
+        return _reject(loss, DTENSOR, "DTensor weights or activations (distributed)")
+    if bias is not None and (not isinstance(bias, Node) or p.tensor_value(bias) is None):
+        return _reject(loss, UNSUPPORTED_OPTION, "bias is not a tensor")
+    if not head_value.dtype.is_floating_point:
+        return _reject(loss, UNSUPPORTED_OPTION, f"head computes in {head_value.dtype}")
+
+    chain = list(reversed(walk.chain))
+    z_level = set(walk.z_level)
+    if not walk.scale_factors and walk.softcap is None:
+        z_level.add(head)
+    lse_users, escaping = _classify_users(head, chain, loss, options["log_softmax"], z_level)
+    rows_at_hidden = _rows_at_hidden(head, chain)
+    lse_shapes = []
+    for user in list(lse_users):
+        shape = _lse_shape(user, options["target"], rows_at_hidden)
+        if shape is None:  # a shape the op's lse cannot be reshaped to without the logits
+            lse_users.remove(user)
+            escaping.append(user.args[0])
+        else:
+            lse_shapes.append(shape)
+    if escaping and config.get().escaping_logits != "rewrite":
+        users = ", ".join(
+            sorted({u.name for n in escaping for u in _outside_users(n, chain, loss)})
+        )
+        return _reject(
+            loss,
+            ESCAPES,
+            f"logits are also used by {users}; compile the loss step "
+            "so the logits die inside the graph, or set CCE_ESCAPING_LOGITS=rewrite",
+        )
+    return Site(
+        loss=loss,
+        head=head,
+        hidden=hidden,
+        classifier=classifier,
+        classifier_is_transposed=transposed,
+        bias=bias,
+        chain=chain,
+        log_softmax=options["log_softmax"],
+        transposes=transposes,
+        row_indices=list(reversed(walk.row_indices)),
+        targets=options["target"],
+        class_weights=options["weight"],
+        ignore_index=options["ignore_index"],
+        reduction=options["reduction"],
+        label_smoothing=options["label_smoothing"],
+        softcap=walk.softcap,
+        scale_factors=list(reversed(walk.scale_factors)),
+        compute_dtype=head_value.dtype,
+        lse_users=lse_users,
+        lse_shapes=lse_shapes,
+        escaping=escaping,
+    )
+
+
+def _rows_at_hidden(head: Node, chain: list[Node]) -> tuple:
+    """Leading shape of the logits where the op sees hidden: after the row slices."""
+    shape = p.tensor_value(head).shape[:-1]
+    for node in chain:
+        if p.row_index(node) is not None:
+            shape = p.tensor_value(node).shape[:-1]
+    return tuple(shape)
+
+
+def _lse_shape(user: Node, targets: Node, rows_at_hidden: tuple) -> str | None:
+    """How the op's lse (one per row) reshapes to ``user``'s shape, if it can."""
+    shape = tuple(p.tensor_value(user).shape)
+
+    def same(a, b):
+        return len(a) == len(b) and all(p.same_size(x, y) for x, y in zip(a, b))
+
+    if same(shape, tuple(p.tensor_value(targets).shape)):
+        return "targets"
+    if same(shape, rows_at_hidden):
+        return "rows"
+    return "flat" if len(shape) == 1 else None
+
+
+def _outside_users(node: Node, chain: list[Node], loss: Node) -> list[Node]:
+    inside = set(chain) | {loss}
+    return [u for u in node.users if u not in inside]
+
+
+def _classify_users(head, chain, loss, log_softmax, z_level):
+    """Users of the head and chain outside it: logsumexp over z (servable) or escaping."""
+    lse_users, escaping = [], []
+    nodes = [head, *chain]
+    for node in nodes:
+        for user in node.users:
+            if user in chain or user is loss or user is log_softmax:
+                continue
+            if node in z_level and p.logsumexp_input(user) is node:
+                lse_users.append(user)
+            elif node not in escaping:
+                escaping.append(node)
+    return lse_users, escaping

@@ -1,0 +1,263 @@
+"""Small predicates over the nodes of a Dynamo (torch-level, pre-autograd) FX graph.
+
+What the forms look like is catalogued in docs/graph_forms.md: tensor methods are
+``call_method`` nodes with string targets, functions and operators ``call_function`` nodes,
+parameters are placeholders, and every value node carries ``meta["example_value"]``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Node
+
+_LINEAR = {torch._C._nn.linear, F.linear}
+_MATMUL_FUNCTIONS = {operator.matmul, torch.matmul, torch.mm}
+_TANH = {torch.tanh}
+_LOGSUMEXP = {torch.logsumexp}
+_LOG_SOFTMAX = {F.log_softmax, torch.log_softmax}
+_PASSTHROUGH_METHODS = {"contiguous", "clone"}
+_VIEW_METHODS = {"view", "reshape", "flatten"}
+_VIEW_FUNCTIONS = {torch.reshape, torch.flatten}
+
+
+def is_call(node: Any, targets) -> bool:
+    """A call_function node whose target is in ``targets``."""
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def is_method(node: Any, names) -> bool:
+    """A call_method node named one of ``names``."""
+    return isinstance(node, Node) and node.op == "call_method" and node.target in names
+
+
+def example_value(node: Any) -> Any:
+    """The node's example value (FakeTensor, SymInt, SymFloat), or None."""
+    if not isinstance(node, Node):
+        return None
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def tensor_value(node: Any) -> torch.Tensor | None:
+    """The node's example value if it is a tensor."""
+    value = example_value(node)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def bind(node: Node, fn) -> dict[str, Any]:
+    """The node's args and kwargs bound to ``fn``'s signature, defaults filled in."""
+    bound = inspect.signature(fn).bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def is_dtensor(value: Any) -> bool:
+    """A distributed tensor (DTensor), which the op does not take yet."""
+    return type(value).__name__ == "DTensor"
+
+
+def is_linear(node: Any) -> bool:
+    """``F.linear(x, W[, b])`` (also ``nn.Linear`` inlined by Dynamo)."""
+    return is_call(node, _LINEAR)
+
+
+def linear_operands(node: Node) -> tuple[Node, Node, Any]:
+    """(input, weight, bias) of a linear node, positional or keyword."""
+    args = bind(node, lambda input, weight, bias=None: None)
+    return args["input"], args["weight"], args["bias"]
+
+
+def is_matmul(node: Any) -> bool:
+    """``x @ y``, ``torch.matmul``, ``torch.mm`` or ``x.matmul(y)``."""
+    return is_call(node, _MATMUL_FUNCTIONS) or is_method(node, {"matmul", "mm"})
+
+
+def transposed_matrix(node: Any) -> Node | None:
+    """W for ``W.T``, ``W.t()``, ``W.mT``, ``W.transpose(0, 1)`` or ``W.permute(1, 0)``; W 2-D."""
+    if not isinstance(node, Node):
+        return None
+    source = None
+    if node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT"):
+        source = node.args[0]
+    elif is_method(node, {"t"}) or is_call(node, {torch.t}):
+        source = node.args[0]
+    elif is_method(node, {"transpose"}) or is_call(node, {torch.transpose}):
+        dims = tuple(node.args[1:3])
+        if sorted(d % 2 for d in dims if isinstance(d, int)) == [0, 1]:
+            source = node.args[0]
+    elif is_method(node, {"permute"}):
+        dims = node.args[1] if len(node.args) == 2 else node.args[1:]
+        if tuple(d % 2 for d in dims) == (1, 0):
+            source = node.args[0]
+    value = tensor_value(source)
+    return source if value is not None and value.dim() == 2 else None
+
+
+def is_cross_entropy(node: Any) -> bool:
+    """``F.cross_entropy`` (also ``nn.CrossEntropyLoss`` and 2.13's linear_cross_entropy
+    reference path, which Dynamo inlines to it)."""
+    return is_call(node, {F.cross_entropy})
+
+
+def is_nll_loss(node: Any) -> bool:
+    """``F.nll_loss``."""
+    return is_call(node, {F.nll_loss})
+
+
+def log_softmax_input(node: Any) -> Node | None:
+    """x for ``log_softmax(x, dim=<last>)`` in float32 or x's dtype, else None."""
+    if is_call(node, _LOG_SOFTMAX):
+        args = bind(node, lambda input, dim=None, _stacklevel=3, dtype=None: None)
+    elif is_method(node, {"log_softmax"}):
+        args = bind(node, lambda self, dim, dtype=None: None)
+        args["input"] = args.pop("self")
+    else:
+        return None
+    value = tensor_value(args["input"])
+    if value is None or not _is_last_dim(args["dim"], value.dim()):
+        return None
+    if args["dtype"] not in (None, torch.float32, value.dtype):
+        return None
+    return args["input"]
+
+
+def logsumexp_input(node: Any) -> Node | None:
+    """x for ``torch.logsumexp(x, -1)`` / ``x.logsumexp(-1)`` over the last dim, no keepdim."""
+    if is_call(node, _LOGSUMEXP):
+        args = bind(node, lambda input, dim, keepdim=False, out=None: None)
+    elif is_method(node, {"logsumexp"}):
+        args = bind(node, lambda self, dim, keepdim=False: None)
+        args["input"] = args.pop("self")
+    else:
+        return None
+    value = tensor_value(args["input"])
+    dim = args["dim"]
+    if isinstance(dim, (tuple, list)) and len(dim) == 1:
+        dim = dim[0]
+    if value is None or args["keepdim"] or args.get("out") is not None:
+        return None
+    return args["input"] if _is_last_dim(dim, value.dim()) else None
+
+
+def _is_last_dim(dim: Any, ndim: int) -> bool:
+    return isinstance(dim, int) and dim % max(ndim, 1) == ndim - 1
+
+
+def is_tanh(node: Any) -> bool:
+    """``torch.tanh(x)`` or ``x.tanh()``."""
+    return is_call(node, _TANH) or is_method(node, {"tanh"})
+
+
+def scalar(arg: Any) -> Any:
+    """A Python number, or a node holding a SymInt/SymFloat; None for anything else."""
+    if isinstance(arg, bool):
+        return None
+    if isinstance(arg, (int, float)):
+        return arg
+    if isinstance(example_value(arg), (torch.SymInt, torch.SymFloat)):
+        return arg
+    return None
+
+
+def same_scalar(a: Any, b: Any) -> bool:
+    """Two scalars that are provably the same value (equal constants or one node)."""
+    if isinstance(a, Node) or isinstance(b, Node):
+        if a is b:
+            return True
+        # Two `.item()` reads of one tensorified float (Dynamo's form for config floats).
+        return is_method(a, {"item"}) and is_method(b, {"item"}) and a.args[0] is b.args[0]
+    return a == b
+
+
+def cast_dtype(node: Any) -> torch.dtype | None:
+    """The dtype of a pure cast (``.float()``, ``.to(dtype)``, ``.type(dtype)``), else None."""
+    if is_method(node, {"float"}):
+        return torch.float32
+    if is_method(node, {"half"}):
+        return torch.float16
+    if is_method(node, {"bfloat16"}):
+        return torch.bfloat16
+    if is_method(node, {"to", "type"}):
+        value = tensor_value(node)
+        extra = [a for a in (*node.args[1:], *node.kwargs.values()) if not isinstance(a, Node)]
+        if value is not None and any(isinstance(a, torch.dtype) for a in extra):
+            return value.dtype
+    return None
+
+
+def is_passthrough(node: Any) -> bool:
+    """``contiguous()`` / ``clone()``: same values, same rows."""
+    return is_method(node, _PASSTHROUGH_METHODS)
+
+
+def is_row_view(node: Any) -> bool:
+    """view / reshape / flatten that only regroups the leading (row) dimensions."""
+    if not (is_method(node, _VIEW_METHODS) or is_call(node, _VIEW_FUNCTIONS)):
+        return False
+    before, after = tensor_value(node.args[0]), tensor_value(node)
+    if before is None or after is None or before.dim() == 0 or after.dim() == 0:
+        return False
+    return _same_size(before.shape[-1], after.shape[-1])
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a == b))
+
+
+def size_hint(size: Any) -> int | None:
+    """An int size, or a SymInt's example value without adding a guard (None if unbacked)."""
+    if isinstance(size, torch.SymInt):
+        hint = getattr(size.node, "hint", None)
+        return None if hint is None else int(hint)
+    return int(size)
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """Sizes that are provably equal (ints or SymInts), without adding guards."""
+    return _same_size(a, b)
+
+
+def row_index(node: Any) -> Any:
+    """The index of ``x[index]`` when it selects rows only (the last dim whole), else None."""
+    if not is_call(node, {operator.getitem}):
+        return None
+    source = tensor_value(node.args[0])
+    if source is None or source.dim() == 0:
+        return None
+    index = node.args[1]
+    parts = index if isinstance(index, tuple) else (index,)
+    if any(not isinstance(p, (slice, int)) and p is not Ellipsis for p in parts):
+        return None  # tensors, None: not plain row selection
+    if Ellipsis in parts:
+        after = parts[parts.index(Ellipsis) + 1 :]
+        touches_last = bool(after)
+        last = after[-1] if after else None
+    else:
+        touches_last = len(parts) >= source.dim()
+        last = parts[source.dim() - 1] if touches_last else None
+    if touches_last and last != slice(None, None, None):
+        return None
+    return index
+
+
+def is_scale(node: Any) -> tuple[Node, Any, bool] | None:
+    """(tensor, scalar, divides) for ``x * c``, ``c * x`` or ``x / c``."""
+    if is_call(node, {operator.mul, torch.mul}) or is_method(node, {"mul"}):
+        a, b = node.args[0], node.args[1]
+        if tensor_value(a) is not None and scalar(b) is not None:
+            return a, b, False
+        if tensor_value(b) is not None and scalar(a) is not None:
+            return b, a, False
+    if is_call(node, {operator.truediv, torch.div}) or is_method(node, {"div"}):
+        if node.kwargs.get("rounding_mode") is not None:
+            return None
+        a, b = node.args[0], node.args[1]
+        if tensor_value(a) is not None and scalar(b) is not None:
+            return a, b, True
+    return None

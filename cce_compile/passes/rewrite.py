@@ -1,0 +1,208 @@
+"""Graph surgery: replace a matched site's logits chain and loss with ``cce::linear_cross_entropy``.
+
+Only ``torch.ops`` overloads and builtins are emitted (a Python-function target would make
+AOTAutograd bypass its cache), every new node gets ``example_value`` (and ``val``) computed under
+the graph's fake mode, no placeholder is added, and only the replaced nodes that became dead
+are erased. The op takes ``hidden`` as (B, T, D) and ``targets`` as (B, T): hidden keeps the
+leading shape it has at the head (after any replayed row slices) and targets are reshaped to it.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.fx import Graph, Node
+
+from .. import config
+from ..ops import IMPLEMENTATION_VERSION
+from ..policy import choose_mode
+from . import predicates as p
+from .matching import Site
+
+aten = torch.ops.aten
+OP = torch.ops.cce.linear_cross_entropy.default
+_META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
+
+
+class _Emitter:
+    """Creates nodes before ``anchor`` with example values and the anchor's source meta."""
+
+    def __init__(self, graph: Graph, anchor: Node):
+        self.graph = graph
+        self.anchor = anchor
+        fake = p.tensor_value(anchor)
+        self.fake_mode = fake.fake_mode if fake is not None else None
+
+    def __call__(self, target, *args: Any, **kwargs: Any) -> Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args, kwargs)
+        for key in _META_KEYS:
+            if key in self.anchor.meta:
+                node.meta[key] = self.anchor.meta[key]
+        value = self._evaluate(target, args, kwargs)
+        node.meta["example_value"] = value
+        node.meta["val"] = value
+        return node
+
+    def _evaluate(self, target, args, kwargs):
+        def real(a):
+            if isinstance(a, Node):
+                return p.example_value(a)
+            if isinstance(a, (list, tuple)):
+                return type(a)(real(x) for x in a)
+            return a
+
+        with self.fake_mode:
+            return target(*real(args), **real(kwargs))
+
+
+def _scalar_product(emit: _Emitter, factors: list[tuple[Any, bool]]) -> Any:
+    """The product of (scalar, divides) factors: a float, or a node when any is symbolic."""
+    constant, nodes = 1.0, []
+    for factor, divides in factors:
+        if isinstance(factor, Node):
+            nodes.append((factor, divides))
+        else:
+            constant = constant / factor if divides else constant * factor
+    result: Any = constant
+    for factor, divides in nodes:
+        result = emit(operator.truediv if divides else operator.mul, result, factor)
+    return result
+
+
+def _as_float(value: Any) -> Any:
+    """Python numbers become floats; SymFloat/SymInt nodes stay nodes."""
+    return value if isinstance(value, Node) else float(value)
+
+
+def _cast(emit: _Emitter, node: Node | None, dtype: torch.dtype) -> Node | None:
+    if node is None or p.tensor_value(node).dtype == dtype:
+        return node
+    return emit(aten._to_copy.default, node, dtype=dtype)
+
+
+def _canonical_hidden(emit: _Emitter, hidden: Node) -> Node:
+    """hidden (..., D) -> (B, T, D), a view: rows keep their order."""
+    ndim = p.tensor_value(hidden).dim()
+    if ndim == 1:
+        return emit(aten.view.default, hidden, [1, 1, -1])
+    if ndim == 2:
+        return emit(aten.unsqueeze.default, hidden, 0)
+    if ndim == 3:
+        return hidden
+    return emit(aten.flatten.using_ints, hidden, 0, ndim - 3)
+
+
+def choose_site_mode(site: Site, needs: tuple[bool, bool, bool]) -> str:
+    """The op's mode for a site: the configured one, resolved on the example sizes.
+
+    Under dynamic shapes the sizes are hints: the choice is a performance decision only (both
+    modes compute the same values), so it adds no guard.
+    """
+    settings = config.get()
+    vocab, dim = (p.size_hint(s) or 1 for s in p.tensor_value(site.classifier).shape)
+    if site.classifier_is_transposed:
+        vocab, dim = dim, vocab
+    return choose_mode(
+        settings.mode,
+        reduction=site.reduction,
+        needs_grad=any(needs),
+        needs_classifier=needs[1],
+        lse_has_grad=bool(site.lse_users),
+        vocab=vocab,
+        dim=dim,
+        budget_bytes=settings.memory_budget_mb * 2**20,
+    )
+
+
+def rewrite_site(graph: Graph, site: Site) -> Node:
+    """Replace ``site`` in ``graph``; returns the op node."""
+    loss = site.loss
+    emit = _Emitter(graph, loss)
+    dtype = site.compute_dtype
+    rows = site.hidden  # hidden with the logits' leading shape at the head, row slices applied
+    for index in site.row_indices:
+        rows = emit(operator.getitem, rows, index)
+    hidden = _canonical_hidden(emit, _cast(emit, rows, dtype))
+    classifier = site.classifier
+    if site.classifier_is_transposed:
+        classifier = emit(aten.t.default, classifier)
+    classifier = _cast(emit, classifier, dtype)
+    bias = _cast(emit, site.bias, dtype)
+    hidden_value = p.tensor_value(hidden)
+    targets = emit(
+        aten.reshape.default,
+        site.targets,
+        [emit(aten.sym_size.int, hidden, 0), emit(aten.sym_size.int, hidden, 1)]
+        if any(isinstance(s, torch.SymInt) for s in hidden_value.shape[:2])
+        else list(hidden_value.shape[:2]),
+    )
+
+    loss_requires_grad = p.tensor_value(loss).requires_grad
+    needs = tuple(
+        bool(loss_requires_grad and n is not None and p.tensor_value(n).requires_grad)
+        for n in (site.hidden, site.classifier, site.bias)
+    )
+    softcap = 0.0 if site.softcap is None else _as_float(site.softcap)
+    op = emit(
+        OP,
+        hidden,
+        classifier,
+        targets,
+        bias,
+        site.class_weights,
+        site.ignore_index,
+        site.reduction,
+        _as_float(site.label_smoothing),
+        softcap,
+        _as_float(_scalar_product(emit, site.scale_factors)),
+        0,  # shift: row slices were replayed on hidden
+        0.0,  # z_loss: a user's z-loss reads the op's lse instead
+        bool(site.lse_users),
+        choose_site_mode(site, needs),
+        *needs,
+        IMPLEMENTATION_VERSION,
+    )
+    new_loss = emit(operator.getitem, op, 0)
+    if site.reduction == "none":
+        new_loss = emit(aten.reshape.default, new_loss, _shape_of(emit, site.targets))
+    new_loss = _cast(emit, new_loss, p.tensor_value(loss).dtype)
+    loss.replace_all_uses_with(new_loss)
+    if site.lse_users:
+        lse = emit(operator.getitem, op, 1)
+        for user, shape in zip(site.lse_users, site.lse_shapes):
+            served = emit(aten.reshape.default, lse, _lse_shape(emit, user, shape, site, rows))
+            served = _cast(emit, served, p.tensor_value(user).dtype)
+            user.replace_all_uses_with(served)
+            graph.erase_node(user)
+    graph.erase_node(loss)
+    _erase_dead(graph, [site.log_softmax, *reversed(site.chain), site.head, *site.transposes])
+    return op
+
+
+def _shape_of(emit: _Emitter, node: Node) -> list[Any]:
+    value = p.tensor_value(node)
+    if not any(isinstance(s, torch.SymInt) for s in value.shape):
+        return list(value.shape)
+    return [emit(aten.sym_size.int, node, i) for i in range(value.dim())]
+
+
+def _lse_shape(emit: _Emitter, user: Node, shape: str, site: Site, rows: Node) -> list[Any]:
+    """Sizes for the lse served to a logsumexp user, from nodes that outlive the logits."""
+    if shape == "targets":
+        return _shape_of(emit, site.targets)
+    if shape == "rows":
+        value = p.tensor_value(rows)
+        if not any(isinstance(s, torch.SymInt) for s in value.shape):
+            return list(value.shape[:-1])
+        return [emit(aten.sym_size.int, rows, i) for i in range(value.dim() - 1)]
+    return [-1]
+
+
+def _erase_dead(graph: Graph, nodes: list[Node]) -> None:
+    """Erase the given nodes that have no users left, in order (users before producers)."""
+    for node in nodes:
+        if isinstance(node, Node) and not node.users and node.graph is graph:
+            graph.erase_node(node)

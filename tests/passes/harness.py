@@ -1,0 +1,156 @@
+"""Compile a function three ways and compare it with eager: the pass's test harness.
+
+``check(fn, args)`` runs ``fn`` eagerly and compiled, compares outputs and the gradients of
+every floating tensor that requires grad (inputs and module parameters), and returns what the
+pass did: the counters and the graphs after the rewrite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import torch
+from torch._dynamo.backends.debugging import aot_eager
+from torch._dynamo.utils import counters
+
+import cce_compile
+from cce_compile.passes.graph_pass import run_on_module
+
+OP = torch.ops.cce.linear_cross_entropy.default
+# Compiled vs eager, both float32 math (the op's float32 accumulation against materialised
+# float32 logits): rounding-level differences only.
+RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+@dataclasses.dataclass
+class Outcome:
+    rewritten: int
+    skipped: dict[str, int]
+    graphs: list[torch.fx.GraphModule]
+    frames: int
+
+    def targets(self) -> list:
+        return [
+            n.target
+            for g in self.graphs
+            for _, m in g.named_modules()
+            if isinstance(m, torch.fx.GraphModule)
+            for n in m.graph.nodes
+        ]
+
+    @property
+    def has_op(self) -> bool:
+        return OP in self.targets()
+
+
+def _capturing(inner: str, graphs: list, frames: list):
+    def backend(gm, example_inputs, **kwargs):
+        frames.append(1)
+        if inner == "cce-eager":  # the pass + AOTAutograd, no Inductor codegen (fast)
+            run_on_module(gm)
+            graphs.append(gm)
+            return aot_eager(gm, example_inputs)
+        compiled = cce_compile.backend(gm, example_inputs, **kwargs)
+        graphs.append(gm)
+        return compiled
+
+    return backend
+
+
+@contextlib.contextmanager
+def hook_enabled() -> Iterator[None]:
+    """cce_compile.enable() for the block, restoring Inductor's previous hook."""
+    from torch._inductor import config as inductor_config
+
+    before = inductor_config.pre_grad_custom_pass
+    cce_compile.enable()
+    try:
+        yield
+    finally:
+        inductor_config.pre_grad_custom_pass = before
+
+
+def _grad_leaves(fn, args) -> list[torch.Tensor]:
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    if isinstance(fn, torch.nn.Module):
+        leaves += [p for p in fn.parameters() if p.requires_grad]
+    return leaves
+
+
+def _first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        return next(_first_tensor(o) for o in out if _first_tensor(o) is not None)
+    return getattr(out, "loss", None)
+
+
+def _outputs(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _outputs(o)]
+    return [t for t in (getattr(out, "loss", None), getattr(out, "logits", None)) if t is not None]
+
+
+def run_and_grad(fn, args, leaves, backward_all=False):
+    out = fn(*args)
+    outputs = _outputs(out)
+    if backward_all:
+        total = sum(o.float().sum() for o in outputs if o.requires_grad)
+    else:
+        total = _first_tensor(out).float().sum()
+    grads = torch.autograd.grad(total, leaves, allow_unused=True) if leaves else []
+    return [o.detach() for o in outputs], grads
+
+
+def check(
+    fn: Callable,
+    args: tuple,
+    *,
+    backend: str = "cce-eager",
+    dynamic: bool | None = False,
+    fullgraph: bool = True,
+    rtol: float = RTOL[torch.float32],
+    backward_all: bool = False,
+    extra_calls: list[tuple] = (),
+    **compile_kwargs,
+) -> Outcome:
+    """Compile ``fn`` (backend "cce-eager", "cce" or "hook"), compare with eager on ``args``
+    and on each of ``extra_calls`` (new sizes), return what the pass did."""
+    counters.clear()
+    torch._dynamo.reset()
+    graphs, frames = [], []
+    if backend == "hook":
+
+        def recorder(gm, example_inputs):
+            frames.append(1)
+            graphs.append(gm)
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs)
+
+        compiled_backend, context = recorder, hook_enabled()
+    else:
+        compiled_backend = _capturing(backend, graphs, frames)
+        context = contextlib.nullcontext()
+    with context:
+        compiled = torch.compile(
+            fn, backend=compiled_backend, dynamic=dynamic, fullgraph=fullgraph, **compile_kwargs
+        )
+        for call_args in (args, *extra_calls):
+            leaves = _grad_leaves(fn, call_args)
+            want, want_grads = run_and_grad(fn, call_args, leaves, backward_all)
+            got, got_grads = run_and_grad(compiled, call_args, leaves, backward_all)
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g.float(), w.float(), rtol=rtol, atol=rtol)
+            for g, w in zip(got_grads, want_grads):
+                assert (g is None) == (w is None)
+                if g is not None:
+                    torch.testing.assert_close(g.float(), w.float(), rtol=rtol, atol=rtol)
+    stats = dict(counters["cce_compile"])
+    skipped = {k.split(":", 1)[1]: v for k, v in stats.items() if k.startswith("skipped:")}
+    return Outcome(stats.get("rewritten", 0), skipped, graphs, len(frames))

@@ -1,0 +1,204 @@
+"""enable()/disable() on Inductor's hook, and CCE_COMPILE=1 / backend="cce" after a real install."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import sysconfig
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import check, hook_enabled
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import cce_compile
+from cce_compile.passes.install import ChainedPass, enabled
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def restore_hook():
+    before = inductor_config.pre_grad_custom_pass
+    yield
+    inductor_config.pre_grad_custom_pass = before
+
+
+def loss(x, w, y):
+    return F.cross_entropy(F.linear(x, w).view(-1, w.shape[0]).float(), y.view(-1))
+
+
+def small_inputs():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 8, generator=gen, requires_grad=True)
+    w = torch.randn(11, 8, generator=gen, requires_grad=True)
+    return x, w, torch.randint(0, 11, (2, 5), generator=gen)
+
+
+def test_enable_rewrites_plain_torch_compile():
+    outcome = check(loss, small_inputs(), backend="hook")
+    assert outcome.rewritten == 1 and outcome.has_op
+
+
+def test_enable_disable_idempotent():
+    inductor_config.pre_grad_custom_pass = None
+    cce_compile.enable()
+    cce_compile.enable()
+    assert enabled() and not isinstance(inductor_config.pre_grad_custom_pass, ChainedPass)
+    cce_compile.disable()
+    assert not enabled() and inductor_config.pre_grad_custom_pass is None
+
+
+class _UserPass(CustomGraphPass):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, graph):
+        self.calls += 1
+
+    def uuid(self):
+        return "user-pass-v1"
+
+
+def test_composes_with_a_users_pass():
+    user = _UserPass()
+    inductor_config.pre_grad_custom_pass = user
+    cce_compile.enable()
+    chained = inductor_config.pre_grad_custom_pass
+    assert isinstance(chained, ChainedPass) and chained.passes[0] is user
+    assert chained.uuid() is not None
+    torch._dynamo.reset()
+    x, w, y = small_inputs()
+    torch.compile(loss)(x, w, y)
+    assert user.calls == 1
+    cce_compile.disable()
+    assert inductor_config.pre_grad_custom_pass is user
+
+
+def test_plain_callable_user_pass_makes_the_chain_uncacheable():
+    calls = []
+    inductor_config.pre_grad_custom_pass = lambda graph: calls.append(graph)
+    cce_compile.enable()
+    assert inductor_config.pre_grad_custom_pass.uuid() is None  # Inductor then skips caching
+    with hook_enabled():
+        torch._dynamo.reset()
+        torch.compile(loss)(*small_inputs())
+    assert calls
+
+
+def _parent_site_packages() -> list[str]:
+    paths = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    return sorted(p for p in paths if os.path.isdir(p))
+
+
+@pytest.fixture(scope="module")
+def installed_venv(tmp_path_factory) -> pathlib.Path:
+    """A fresh venv with cce_compile installed from a built wheel (not editable). It sees the
+    parent environment's packages (torch) as plain paths, so no .pth of the parent runs: only
+    the wheel's own start-up hook can enable the pass."""
+    root = tmp_path_factory.mktemp("venv")
+    wheel_dir = root / "wheel"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheel_dir),
+            str(REPO),
+        ],
+        check=True,
+    )
+    venv = root / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    site_dir = pathlib.Path(site.stdout.strip())
+    (site_dir / "zz_parent_env.pth").write_text("\n".join(_parent_site_packages()) + "\n")
+    wheel = next(wheel_dir.glob("*.whl"))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(site_dir),
+            str(wheel),
+        ],
+        check=True,
+    )
+    assert (site_dir / "cce_compile_autoenable.pth").exists()
+    return python
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    assert "torch" not in sys.modules, "start-up must not import torch"
+    import torch, torch.nn.functional as F
+    from torch._dynamo.utils import counters
+
+    def loss(x, w, y):
+        return F.cross_entropy(F.linear(x, w).view(-1, 11), y.view(-1))
+
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    w = torch.randn(11, 8, requires_grad=True)
+    y = torch.randint(0, 11, (2, 5))
+    compiled = torch.compile(loss, backend=sys.argv[1]) if len(sys.argv) > 1 else torch.compile(loss)
+    out = compiled(x, w, y)
+    out.backward()
+    torch.testing.assert_close(out, loss(x, w, y))
+    import cce_compile
+    assert cce_compile.__file__.startswith(sys.prefix), cce_compile.__file__
+    print("REWRITTEN", counters["cce_compile"]["rewritten"])
+    """
+)
+
+
+def _run(python, env_extra, *args, cwd):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CCE_")}
+    env.update(env_extra)
+    script = cwd / "script.py"
+    script.write_text(SCRIPT)
+    return subprocess.run(
+        [str(python), str(script), *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.slow
+def test_cce_compile_env_enables_the_pass_without_import(installed_venv, tmp_path):
+    result = _run(installed_venv, {"CCE_COMPILE": "1"}, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "REWRITTEN 1" in result.stdout
+    without = _run(installed_venv, {}, cwd=tmp_path)
+    assert without.returncode == 0, without.stderr[-3000:]
+    assert "REWRITTEN 0" in without.stdout
+
+
+@pytest.mark.slow
+def test_backend_by_name_through_the_entry_point(installed_venv, tmp_path):
+    result = _run(installed_venv, {}, "cce", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "REWRITTEN 1" in result.stdout
