@@ -56,7 +56,8 @@ class Site:
     scale_factors: list[tuple[Any, bool]]  # (scalar, divides), product = logit_scale
     compute_dtype: torch.dtype
     lse_users: list[Node]  # logsumexp nodes the op's lse can serve (z-loss)
-    lse_shapes: list[str]  # per lse user: shaped like "targets", the "rows" at hidden, "flat"
+    lse_shapes: list[str]  # per lse user: like "targets", the "rows" at hidden, "flat", "static"
+    lse_side_nodes: list[Node]  # casts between the chain and a served logsumexp
     escaping: list[Node]  # chain nodes used outside the chain (kept, under the policy)
 
     @property
@@ -269,14 +270,16 @@ def match_site(loss: Node) -> Site | Rejection:
     z_level = set(walk.z_level)
     if not walk.scale_factors and walk.softcap is None:
         z_level.add(head)
-    lse_users, escaping = _classify_users(head, chain, loss, options["log_softmax"], z_level)
+    lse_users, side_nodes, escaping = _classify_users(
+        head, chain, loss, options["log_softmax"], z_level
+    )
     rows_at_hidden = _rows_at_hidden(head, chain)
     lse_shapes = []
     for user in list(lse_users):
         shape = _lse_shape(user, options["target"], rows_at_hidden)
         if shape is None:  # a shape the op's lse cannot be reshaped to without the logits
             lse_users.remove(user)
-            escaping.append(user.args[0])
+            escaping.append(user)
         else:
             lse_shapes.append(shape)
     if escaping and config.get().escaping_logits != "rewrite":
@@ -310,6 +313,7 @@ def match_site(loss: Node) -> Site | Rejection:
         compute_dtype=head_value.dtype,
         lse_users=lse_users,
         lse_shapes=lse_shapes,
+        lse_side_nodes=side_nodes,
         escaping=escaping,
     )
 
@@ -334,7 +338,9 @@ def _lse_shape(user: Node, targets: Node, rows_at_hidden: tuple) -> str | None:
         return "targets"
     if same(shape, rows_at_hidden):
         return "rows"
-    return "flat" if len(shape) == 1 else None
+    if len(shape) == 1:
+        return "flat"
+    return "static" if not any(isinstance(s, torch.SymInt) for s in shape) else None
 
 
 def _outside_users(node: Node, chain: list[Node], loss: Node) -> list[Node]:
@@ -343,15 +349,31 @@ def _outside_users(node: Node, chain: list[Node], loss: Node) -> list[Node]:
 
 
 def _classify_users(head, chain, loss, log_softmax, z_level):
-    """Users of the head and chain outside it: logsumexp over z (servable) or escaping."""
-    lse_users, escaping = [], []
-    nodes = [head, *chain]
-    for node in nodes:
+    """Users of the head and chain outside it: a logsumexp over z, possibly through float32
+    casts / contiguous (servable by the op's lse), or anything else (escaping).
+
+    Returns (lse_users, side_nodes, escaping): side nodes are the casts leading to a served
+    logsumexp, erased with it.
+    """
+    lse_users, side_nodes, escaping = [], [], []
+    for node in [head, *chain]:
         for user in node.users:
             if user in chain or user is loss or user is log_softmax:
                 continue
-            if node in z_level and p.logsumexp_input(user) is node:
-                lse_users.append(user)
+            path, end = _through_casts(user)
+            source = path[-1] if path else node
+            if node in z_level and p.logsumexp_input(end) is source:
+                lse_users.append(end)
+                side_nodes.extend(path)
             elif node not in escaping:
                 escaping.append(node)
-    return lse_users, escaping
+    return lse_users, side_nodes, escaping
+
+
+def _through_casts(user: Node) -> tuple[list[Node], Node]:
+    """Follow single-user float32 casts and contiguous() from ``user``: (those nodes, end)."""
+    path: list[Node] = []
+    while (p.cast_dtype(user) == torch.float32 or p.is_passthrough(user)) and len(user.users) == 1:
+        path.append(user)
+        user = next(iter(user.users))
+    return path, user

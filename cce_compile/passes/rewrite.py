@@ -178,7 +178,16 @@ def rewrite_site(graph: Graph, site: Site) -> Node:
             user.replace_all_uses_with(served)
             graph.erase_node(user)
     graph.erase_node(loss)
-    _erase_dead(graph, [site.log_softmax, *reversed(site.chain), site.head, *site.transposes])
+    _erase_dead(
+        graph,
+        [
+            *reversed(site.lse_side_nodes),
+            site.log_softmax,
+            *reversed(site.chain),
+            site.head,
+            *site.transposes,
+        ],
+    )
     return op
 
 
@@ -193,6 +202,8 @@ def _lse_shape(emit: _Emitter, user: Node, shape: str, site: Site, rows: Node) -
     """Sizes for the lse served to a logsumexp user, from nodes that outlive the logits."""
     if shape == "targets":
         return _shape_of(emit, site.targets)
+    if shape == "static":
+        return list(p.tensor_value(user).shape)
     if shape == "rows":
         value = p.tensor_value(rows)
         if not any(isinstance(s, torch.SymInt) for s in value.shape):

@@ -161,7 +161,8 @@ SCRIPT = textwrap.dedent(
     x = torch.randn(2, 5, 8, requires_grad=True)
     w = torch.randn(11, 8, requires_grad=True)
     y = torch.randint(0, 11, (2, 5))
-    compiled = torch.compile(loss, backend=sys.argv[1]) if len(sys.argv) > 1 else torch.compile(loss)
+    backend = {"backend": sys.argv[1]} if len(sys.argv) > 1 else {}
+    compiled = torch.compile(loss, **backend)
     out = compiled(x, w, y)
     out.backward()
     torch.testing.assert_close(out, loss(x, w, y))

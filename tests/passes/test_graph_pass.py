@@ -1,0 +1,136 @@
+"""The pass's contract: uuid, counters, logging, idempotence, graph invariants, sub-graphs."""
+
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from harness import OP, check
+
+from cce_compile import config
+from cce_compile.passes.graph_pass import CCEGraphPass, pass_uuid, run_pass
+
+
+def loss(x, w, y):
+    return F.cross_entropy(F.linear(x, w).view(-1, w.shape[0]), y.view(-1))
+
+
+def small_inputs(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 5, 8, generator=gen, requires_grad=True)
+    w = torch.randn(11, 8, generator=gen, requires_grad=True)
+    return x, w, torch.randint(0, 11, (2, 5), generator=gen)
+
+
+def dynamo_graph(fn, args, dynamic=False):
+    """The Dynamo graph of fn(*args) and the inputs it takes, in placeholder order."""
+    graphs = []
+
+    def grab(gm, example_inputs):
+        graphs.append((gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=grab, dynamic=dynamic)(*args)
+    return graphs[0]
+
+
+def test_uuid_tracks_settings_and_is_stable():
+    first = CCEGraphPass().uuid()
+    assert first == pass_uuid() == CCEGraphPass().uuid()
+    with config.override(mode="fast"):
+        assert CCEGraphPass().uuid() != first
+    with config.override(escaping_logits="rewrite"):
+        assert CCEGraphPass().uuid() != first
+    with config.override(memory_budget_mb=7):  # runtime-only: no new rewrite
+        assert CCEGraphPass().uuid() == first
+
+
+def test_idempotent_and_no_new_placeholders():
+    x, w, y = small_inputs()
+    gm, example_inputs = dynamo_graph(loss, (x, w, y))
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    first = run_pass(gm.graph)
+    gm.recompile()
+    torch.testing.assert_close(gm(*example_inputs)[0], loss(x, w, y), rtol=1e-5, atol=1e-6)
+    code_after_first = gm.graph.python_code("self").src
+    second = run_pass(gm.graph)
+    assert [r.rewritten for r in first] == [True] and second == []
+    assert gm.graph.python_code("self").src == code_after_first
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == placeholders
+
+
+def test_emits_only_torch_ops_and_builtins_with_meta():
+    gm, _ = dynamo_graph(loss, small_inputs(), dynamic=True)
+    before = set(gm.graph.nodes)
+    run_pass(gm.graph)
+    new = [n for n in gm.graph.nodes if n not in before]
+    assert new and any(n.target is OP for n in new)
+    for node in new:
+        assert isinstance(node.target, torch._ops.OpOverload) or node.target in (
+            operator.getitem,
+            operator.mul,
+            operator.truediv,
+        )
+        assert "example_value" in node.meta and "val" in node.meta
+
+
+def test_counters_and_debug_log_for_rejections(caplog, capsys):
+    def returns_logits(x, w, y):
+        logits = F.linear(x, w)
+        return F.cross_entropy(logits.view(-1, 11), y.view(-1)), logits
+
+    with caplog.at_level(logging.DEBUG, logger="cce_compile"):
+        outcome = check(returns_logits, small_inputs(), backward_all=True)
+    assert outcome.skipped == {"logits_escape": 1}
+    assert any("logits_escape" in r.getMessage() for r in caplog.records)
+    assert capsys.readouterr().out == ""  # counted and logged, never printed
+
+
+def test_disable_setting_rewrites_nothing():
+    with config.override(disable=True):
+        outcome = check(loss, small_inputs())
+    assert outcome.rewritten == 0 and outcome.skipped == {"disabled": 1}
+
+
+def test_dynamic_shapes_one_compile_for_new_sizes():
+    def call(batch, time, seed):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(batch, time, 8, generator=gen, requires_grad=True)
+        w = torch.randn(11, 8, generator=gen, requires_grad=True)
+        return x, w, torch.randint(0, 11, (batch, time), generator=gen)
+
+    outcome = check(loss, call(2, 5, 0), dynamic=True, extra_calls=[call(3, 9, 1), call(4, 2, 2)])
+    assert outcome.rewritten >= 1 and not outcome.recompiled
+
+
+def test_activation_checkpointing_subgraph():
+    def checkpointed(x, w, y):
+        return torch.utils.checkpoint.checkpoint(loss, x, w, y, use_reentrant=False)
+
+    outcome = check(checkpointed, small_inputs())
+    assert outcome.rewritten == 1 and outcome.has_op
+
+
+def test_symbolic_softcap_and_smoothing_under_dynamic():
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cap = 5.0
+            self.smoothing = 0.1
+            self.proj = torch.nn.Linear(8, 11, bias=False)
+
+        def forward(self, x, y):
+            logits = torch.tanh(self.proj(x) / self.cap) * self.cap
+            return F.cross_entropy(logits.view(-1, 11), y.view(-1), label_smoothing=self.smoothing)
+
+    torch.manual_seed(0)
+    x, _, y = small_inputs()
+    outcome = check(Head(), (x, y), dynamic=True)
+    # The tensorified floats make Dynamo restart its analysis once, running the pass on each
+    # attempt: the graph it keeps (the last) carries the op.
+    assert outcome.rewritten == len(outcome.graphs) >= 1
+    assert OP in [n.target for n in outcome.graphs[-1].graph.nodes]
