@@ -91,7 +91,8 @@ CACHE_SCRIPT = textwrap.dedent(
     y = torch.randint(0, 11, (2, 5))
     out = torch.compile(loss, backend=cce_compile.backend)(x, w, y)
     torch.testing.assert_close(out, loss(x, w, y))
-    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    hits += counters["aot_autograd"]["autograd_cache_hit"]
     print("HITS", hits, "OP_CALLS", len(calls))
     """
 )

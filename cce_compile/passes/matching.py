@@ -56,7 +56,7 @@ class Site:
     scale_factors: list[tuple[Any, bool]]  # (scalar, divides), product = logit_scale
     compute_dtype: torch.dtype
     lse_users: list[Node]  # logsumexp nodes the op's lse can serve (z-loss)
-    lse_shapes: list[str]  # per lse user: like "targets", the "rows" at hidden, "flat", "static"
+    lse_shapes: list[Any]  # per lse user: "targets", "rows" (at hidden), "flat", or sizes
     lse_side_nodes: list[Node]  # casts between the chain and a served logsumexp
     escaping: list[Node]  # chain nodes used outside the chain (kept, under the policy)
 
@@ -327,7 +327,7 @@ def _rows_at_hidden(head: Node, chain: list[Node]) -> tuple:
     return tuple(shape)
 
 
-def _lse_shape(user: Node, targets: Node, rows_at_hidden: tuple) -> str | None:
+def _lse_shape(user: Node, targets: Node, rows_at_hidden: tuple) -> Any:
     """How the op's lse (one per row) reshapes to ``user``'s shape, if it can."""
     shape = tuple(p.tensor_value(user).shape)
 
@@ -340,7 +340,31 @@ def _lse_shape(user: Node, targets: Node, rows_at_hidden: tuple) -> str | None:
         return "rows"
     if len(shape) == 1:
         return "flat"
-    return "static" if not any(isinstance(s, torch.SymInt) for s in shape) else None
+    sizes = _size_nodes(user.graph, shape)
+    return sizes  # ints and SymInt nodes of the graph, or None
+
+
+def _size_nodes(graph: Graph, shape: tuple) -> list[Any] | None:
+    """``shape`` with each symbolic size replaced by a graph node holding it, if all exist.
+
+    Dynamo keeps every symbolic size as a SymInt node (its placeholders), so a shape the
+    logits had can be rebuilt without keeping the logits alive.
+    """
+    holders = {}
+    for node in graph.nodes:
+        value = p.example_value(node)
+        if isinstance(value, torch.SymInt):
+            holders.setdefault(str(value.node.expr), node)
+    sizes = []
+    for size in shape:
+        if isinstance(size, torch.SymInt):
+            holder = holders.get(str(size.node.expr))
+            if holder is None:
+                return None
+            sizes.append(holder)
+        else:
+            sizes.append(int(size))
+    return sizes
 
 
 def _outside_users(node: Node, chain: list[Node], loss: Node) -> list[Node]:
