@@ -97,18 +97,15 @@ def _logits(
     return z
 
 
-def _grad_chunk(
-    h32: torch.Tensor,
-    c32: torch.Tensor,
-    b32: torch.Tensor | None,
+def _grad_from_logits(
+    z: torch.Tensor,
     lse: torch.Tensor,
     coefs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     rows: RowTargets,
     w32: torch.Tensor | None,
     spec: LossSpec,
 ) -> torch.Tensor:
-    """Recompute a chunk of logits and return d loss / d (h @ c.T + b), float32."""
-    z = _logits(h32, c32, b32, spec)
+    """d loss / d (h @ c.T + b) for one chunk from its logits ``z``, which it overwrites."""
     tanh_grad = None
     if spec.softcap:
         tanh_grad = 1.0 - (z / spec.softcap).square()
@@ -199,12 +196,12 @@ def forward(
         target_logit[start:stop] = z.gather(1, chunk_rows_.safe[:, None])[:, 0]
         if wsum is not None:
             wsum[start:stop] = z @ w32 if w32 is not None else z.sum(-1)
-        del z
-        if acc is not None:
+        if acc is not None:  # fast mode: the gradient from the same logits, three GEMMs
             grad_loss = unit.expand(stop - start) if spec.reduction == "none" else unit
             coefs = row_coefficients(grad_loss, None, lse[start:stop], chunk_rows_, spec, vocab)
-            grad = _grad_chunk(h32, c32, b32, lse[start:stop], coefs, chunk_rows_, w32, spec)
+            grad = _grad_from_logits(z, lse[start:stop], coefs, chunk_rows_, w32, spec)
             acc.add(rows_io, start, stop, grad, h32, c32)
+        del z
     loss = finish_loss(lse, target_logit, wsum, rows, spec, vocab)
     if not lse_all_rows:
         lse = torch.where(rows.valid, lse, 0.0)
@@ -247,6 +244,7 @@ def backward(
             chunk_grad_loss, chunk_grad_lse, lse[start:stop], chunk_rows_, spec, vocab
         )
         h32 = rows_io.read(start, stop).float()
-        grad = _grad_chunk(h32, c32, b32, lse[start:stop], coefs, chunk_rows_, w32, spec)
+        z = _logits(h32, c32, b32, spec)
+        grad = _grad_from_logits(z, lse[start:stop], coefs, chunk_rows_, w32, spec)
         acc.add(rows_io, start, stop, grad, h32, c32)
     return acc.hidden, acc.classifier, acc.bias

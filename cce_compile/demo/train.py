@@ -1,0 +1,214 @@
+"""Two seeded training runs, plain torch.compile against cce_compile, and what they cost.
+
+Both runs build the same model from the same seed, see the same batches in the same order and
+compile the same step (the model's forward returns the loss, so the logits die inside the
+graph); only the backend differs. Measured per run: loss curve, tokens/s, peak GPU memory, and
+the loss layer's share of step time and memory (the step against the same step with the loss
+layer replaced by a trivial loss on the hidden states).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+from torch._dynamo.utils import counters
+
+from .models import ModelConfig, build
+
+
+@dataclasses.dataclass
+class RunConfig:
+    arch: str
+    model: ModelConfig
+    batch: int
+    steps: int
+    lr: float = 1e-3
+    warmup: int = 20
+    seed: int = 0
+    device: str = "cpu"
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return torch.bfloat16 if self.device == "cuda" else None
+
+
+@dataclasses.dataclass
+class RunResult:
+    name: str
+    losses: list[float]
+    tokens_per_s: float
+    step_ms: float
+    peak_memory_gb: float | None  # GPU only
+    null_step_ms: float | None = None
+    null_peak_memory_gb: float | None = None
+    rewritten_sites: int = 0
+    max_batch: int | None = None
+    max_batch_tokens_per_s: float | None = None
+
+    @property
+    def loss_time_share(self) -> float | None:
+        if self.null_step_ms is None:
+            return None
+        return max(0.0, 1 - self.null_step_ms / self.step_ms)
+
+    @property
+    def loss_memory_share(self) -> float | None:
+        if self.peak_memory_gb is None or self.null_peak_memory_gb is None:
+            return None
+        return max(0.0, 1 - self.null_peak_memory_gb / self.peak_memory_gb)
+
+
+def batches(
+    ids: torch.Tensor, batch: int, context: int, seed: int, device: str
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Random windows of the corpus, in an order fixed by ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randint(0, ids.numel() - context - 1, (batch,), generator=gen)
+        window = torch.stack([ids[s : s + context + 1] for s in starts.tolist()]).long()
+        yield window[:, :-1].contiguous().to(device), window[:, 1:].contiguous().to(device)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _backend(use_cce: bool):
+    if use_cce:
+        import cce_compile
+
+        return cce_compile.backend
+    return "inductor"
+
+
+def _lr(step: int, cfg: RunConfig) -> float:
+    return cfg.lr * min(1.0, (step + 1) / cfg.warmup)
+
+
+def _make_step(model, cfg: RunConfig, use_cce: bool, loss_fn: str = "forward") -> Callable:
+    compiled = torch.compile(getattr(model, loss_fn), backend=_backend(use_cce))
+    dtype = cfg.autocast_dtype
+
+    def step(x, y):
+        if dtype is None:
+            return compiled(x, y)
+        with torch.autocast("cuda", dtype=dtype):
+            return compiled(x, y)
+
+    return step
+
+
+def train(
+    cfg: RunConfig,
+    ids: torch.Tensor,
+    use_cce: bool,
+    progress: Callable[[int, float, float, float | None], None] | None = None,
+) -> RunResult:
+    """One training run; ``progress(step, loss, tokens_per_s, memory_gb)`` after each step."""
+    torch.manual_seed(cfg.seed)
+    model = build(cfg.arch, cfg.model).to(cfg.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    before = counters["cce_compile"]["rewritten"]
+    step = _make_step(model, cfg, use_cce)
+    data = batches(ids, cfg.batch, cfg.model.context, cfg.seed, cfg.device)
+    losses, timed, timed_tokens = [], 0.0, 0
+    skip = min(3, cfg.steps - 1)  # compile and warm-up steps are not timed
+    if cfg.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(cfg.steps):
+        x, y = next(data)
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(i, cfg)
+        _sync(cfg.device)
+        start = time.perf_counter()
+        loss = step(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        value = loss.item()  # a sync: the step is over
+        elapsed = time.perf_counter() - start
+        losses.append(value)
+        if i >= skip:
+            timed += elapsed
+            timed_tokens += x.numel()
+        if progress is not None:
+            rate = timed_tokens / timed if timed else 0.0
+            progress(i, value, rate, _peak_gb(cfg.device))
+    result = RunResult(
+        name="cce_compile" if use_cce else "torch.compile",
+        losses=losses,
+        tokens_per_s=timed_tokens / timed if timed else float("nan"),
+        step_ms=1000 * timed / max(1, cfg.steps - skip),
+        peak_memory_gb=_peak_gb(cfg.device),
+        rewritten_sites=counters["cce_compile"]["rewritten"] - before,
+    )
+    result.null_step_ms, result.null_peak_memory_gb = _measure(model, cfg, use_cce, "null_loss")
+    return result
+
+
+def _peak_gb(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+
+
+def _measure(
+    model, cfg: RunConfig, use_cce: bool, loss_fn: str, batch: int | None = None, steps: int = 5
+) -> tuple[float, float | None]:
+    """(ms per fwd+bwd step, peak GB) of ``model.<loss_fn>`` at ``batch``; no optimizer step."""
+    step = _make_step(model, cfg, use_cce, loss_fn)
+    data = batches(
+        torch.arange(cfg.model.vocab, dtype=torch.int32).repeat(64),
+        batch or cfg.batch,
+        cfg.model.context,
+        cfg.seed + 1,
+        cfg.device,
+    )
+    x, y = next(data)
+    for _ in range(2):  # compile, warm up
+        step(x, y).backward()
+    model.zero_grad(set_to_none=True)
+    _sync(cfg.device)
+    if cfg.device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(x, y).backward()
+    _sync(cfg.device)
+    elapsed = (time.perf_counter() - start) / steps
+    model.zero_grad(set_to_none=True)
+    return 1000 * elapsed, _peak_gb(cfg.device)
+
+
+def max_batch(cfg: RunConfig, use_cce: bool, start: int, limit: int = 4096) -> tuple[int, float]:
+    """Largest batch (doubling, then one bisection step) whose training step fits on the GPU,
+    and tokens/s there."""
+    torch.manual_seed(cfg.seed)
+    model = build(cfg.arch, cfg.model).to(cfg.device)
+
+    def fits(batch: int) -> float | None:
+        try:
+            ms, _ = _measure(model, cfg, use_cce, "forward", batch=batch, steps=3)
+            return batch * cfg.model.context / (ms / 1000)
+        except torch.OutOfMemoryError:
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            return None
+
+    best, rate = 0, 0.0
+    batch = start
+    while batch <= limit:
+        measured = fits(batch)
+        if measured is None:
+            break
+        best, rate = batch, measured
+        batch *= 2
+    if best and best * 2 <= limit:
+        middle = best + best // 2
+        measured = fits(middle)
+        if measured is not None:
+            best, rate = middle, measured
+    return best, rate
