@@ -63,6 +63,9 @@ def parse(argv) -> argparse.Namespace:
         help="GPU: find the largest batch that fits for each run",
     )
     parser.add_argument(
+        "--max-batch-limit", type=int, default=512, help="stop the --max-batch search here"
+    )
+    parser.add_argument(
         "--corpus-bytes",
         type=int,
         default=None,
