@@ -6,9 +6,8 @@
   backward only scales them by the upstream gradient, so it needs a scalar loss ('mean' or
   'sum'). Extra memory: a float32 classifier-gradient accumulator (V x D) and one chunk.
 
-'auto' takes fast whenever it is valid and its accumulator plus a chunk of at least
-MIN_FAST_CHUNK_BYTES fits the budget (``memory_budget_mb``, 4 GiB by default), else lean; fast
-mode then gives its chunk whatever the accumulator leaves of the budget. The measurements
+'auto' takes fast whenever it is valid and its accumulator plus one chunk of FAST_CHUNK_ROWS
+rows fits the budget (``memory_budget_mb``, 4 GiB by default), else lean. The measurements
 behind it are in bench/results/.
 """
 
@@ -18,9 +17,11 @@ import logging
 
 log = logging.getLogger("cce_compile")
 
-# The smallest chunk of logits worth running fast mode with: below it the float32 classifier
-# accumulator is re-read so often that lean mode is as fast (bench/results/tune.md).
-MIN_FAST_CHUNK_BYTES = 256 * 2**20
+# Rows per fast-mode chunk. Each chunk re-reads and re-writes the float32 classifier
+# accumulator (8 V D bytes) against 6 n V D FLOPs of GEMMs: at 700 TFLOP/s and ~4 TB/s that
+# overhead is about 230 / n of the chunk's time, ~5% at 4096 rows. More rows buy little speed
+# (bench/results/tune.md) and cost chunk memory, which is the point of the op.
+FAST_CHUNK_ROWS = 4096
 
 
 def fast_accumulator_bytes(vocab: int, dim: int, needs_classifier: bool) -> int:
@@ -28,15 +29,19 @@ def fast_accumulator_bytes(vocab: int, dim: int, needs_classifier: bool) -> int:
     return vocab * dim * 4 if needs_classifier else 0
 
 
-def fast_chunk_bytes(vocab: int, dim: int, needs_classifier: bool, budget_bytes: int) -> int:
-    """Bytes for one chunk of logits: what the budget leaves after the accumulator."""
+def fast_chunk_rows(
+    vocab: int, dim: int, elem_bytes: int, needs_classifier: bool, budget_bytes: int
+) -> int:
+    """Rows of logits per fast-mode chunk: FAST_CHUNK_ROWS, or fewer if the budget (after
+    the accumulator) cannot hold that many; at least one."""
     left = budget_bytes - fast_accumulator_bytes(vocab, dim, needs_classifier)
-    return max(left, MIN_FAST_CHUNK_BYTES)
+    return max(1, min(FAST_CHUNK_ROWS, left // (vocab * elem_bytes)))
 
 
-def fast_extra_bytes(vocab: int, dim: int, needs_classifier: bool) -> int:
-    """The least extra memory fast mode needs beyond inputs and gradients (bytes)."""
-    return fast_accumulator_bytes(vocab, dim, needs_classifier) + MIN_FAST_CHUNK_BYTES
+def fast_extra_bytes(vocab: int, dim: int, needs_classifier: bool, elem_bytes: int = 2) -> int:
+    """Extra memory of fast mode beyond inputs and gradients: accumulator and one chunk."""
+    chunk = FAST_CHUNK_ROWS * vocab * elem_bytes
+    return fast_accumulator_bytes(vocab, dim, needs_classifier) + chunk
 
 
 def choose_mode(

@@ -27,7 +27,7 @@ from .kernels.logit_grad import logit_grad
 from .kernels.lse_forward import lse_forward
 from .kernels.scale_cast import scale_cast
 from .loss_math import LossSpec, finish_loss, row_coefficient_parts, row_coefficients, row_targets
-from .policy import fast_chunk_bytes
+from .policy import fast_chunk_rows
 from .reference import ForwardOut, Needs
 
 # The lean backward's slab: at most this many bytes (and at least one tile of columns). With
@@ -174,8 +174,7 @@ def _forward_fast(hidden, classifier, bias, class_weights, spec, rows, needs, bu
     to_positions = layout.rows_to_positions
     work_dtype = _work_dtype(hidden)
     elem = torch.finfo(work_dtype).bits // 8
-    chunk_bytes = fast_chunk_bytes(vocab, dim, needs.classifier, budget_bytes)
-    chunk = max(1, min(n_positions, chunk_bytes // (vocab * elem)))
+    chunk = min(n_positions, fast_chunk_rows(vocab, dim, elem, needs.classifier, budget_bytes))
     parts = row_coefficient_parts(torch.ones((), device=device), None, rows, spec, vocab)
     p_base, coef_t, coef_w = (to_positions(v) for v in (parts.p_base, parts.coef_t, parts.coef_w))
     p_per_lse = None if parts.p_per_lse is None else to_positions(parts.p_per_lse)

@@ -54,10 +54,10 @@ def test_explicit_modes():
         choose("fast", reduction="none", explicit=True)
 
 
-def test_fast_chunk_takes_what_the_accumulator_leaves():
-    from cce_compile.policy import MIN_FAST_CHUNK_BYTES, fast_chunk_bytes
+def test_fast_chunk_rows_bounded_by_budget():
+    from cce_compile.policy import FAST_CHUNK_ROWS, fast_chunk_rows
 
     accumulator = 1000 * 64 * 4
-    assert fast_chunk_bytes(1000, 64, True, accumulator + 10**9) == 10**9
-    assert fast_chunk_bytes(1000, 64, True, accumulator) == MIN_FAST_CHUNK_BYTES
-    assert fast_chunk_bytes(1000, 64, False, 10**9) == 10**9
+    assert fast_chunk_rows(1000, 64, 2, True, 10**12) == FAST_CHUNK_ROWS
+    assert fast_chunk_rows(1000, 64, 2, True, accumulator + 2000 * 10) == 10
+    assert fast_chunk_rows(1000, 64, 2, True, accumulator) == 1

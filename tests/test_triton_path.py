@@ -101,18 +101,17 @@ def test_several_backward_slabs(monkeypatch):
 def test_several_fast_chunks(monkeypatch):
     from cce_compile import triton_path
 
-    vocab = 45
-    chunks = []
+    calls = []
 
-    def five_rows(vocab_, dim, needs_classifier, budget):
-        chunks.append(budget)
-        return 5 * vocab_ * 4  # five float32 rows of logits per chunk
+    def five_rows(*args):
+        calls.append(args)
+        return 5
 
-    monkeypatch.setattr(triton_path, "fast_chunk_bytes", five_rows)
+    monkeypatch.setattr(triton_path, "fast_chunk_rows", five_rows)
     case = build_case(
         leading=(4, 7),
         dim=18,
-        vocab=vocab,
+        vocab=45,
         bias=True,
         class_weights=True,
         label_smoothing=0.2,
@@ -120,7 +119,7 @@ def test_several_fast_chunks(monkeypatch):
         seed=11,
     )
     run_and_compare(to_device(case), mode="fast")
-    assert chunks, "fast mode must size its chunks through fast_chunk_bytes"
+    assert calls, "fast mode must size its chunks through fast_chunk_rows"
 
 
 @pytest.mark.parametrize("dim, tma", [(32, True), (37, False)], ids=["tma", "pointers"])

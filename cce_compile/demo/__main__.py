@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from .. import config as cce_config
 from . import corpus, report
 from .models import ModelConfig
 from .train import RunConfig, max_batch, train
@@ -148,6 +149,8 @@ def main(argv=None) -> int:
         "device": device,
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
         "torch": torch.__version__,
+        "settings": vars(cce_config.get()),
+        "max_batch_limit": args.max_batch_limit if args.max_batch else None,
         "config": vars(model_cfg) | {"batch": cfg.batch, "steps": cfg.steps},
     }
     report.save(args.out, meta, baseline, fused)
