@@ -56,7 +56,7 @@ def parse(argv) -> argparse.Namespace:
     parser.add_argument("--context", type=int)
     parser.add_argument("--batch", type=int)
     parser.add_argument("--steps", type=int)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--max-batch",
