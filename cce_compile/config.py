@@ -36,10 +36,6 @@ class Settings:
     the loss anyway and keeps the escaping logits (and their gradient path) intact."""
     check_targets: bool = False
     """CCE_CHECK_TARGETS: on GPU, raise on targets outside [0, V) (costs a host sync)."""
-    filter_eps: float | None = None
-    """CCE_FILTER_EPS: skip backward tiles whose |softmax - onehot| < eps (lossy; off)."""
-    deterministic: bool = False
-    """CCE_DETERMINISTIC: no atomics whose order changes results."""
     disable: bool = False
     """CCE_DISABLE: the graph pass rewrites nothing (sites are still reported)."""
 
@@ -52,8 +48,6 @@ class Settings:
             )
         if self.memory_budget_mb < 1:
             raise ValueError(f"memory_budget_mb must be >= 1, got {self.memory_budget_mb}")
-        if self.filter_eps is not None and not (0.0 < self.filter_eps < 1.0):
-            raise ValueError(f"filter_eps must be in (0, 1) or None, got {self.filter_eps}")
 
     def rewrite_key(self) -> str:
         """The settings that change what the graph pass emits (part of the pass's uuid)."""
@@ -75,7 +69,6 @@ def from_environ(environ: Mapping[str, str]) -> Settings:
     for name, field in (
         ("CCE_COMPILE", "auto_enable"),
         ("CCE_CHECK_TARGETS", "check_targets"),
-        ("CCE_DETERMINISTIC", "deterministic"),
         ("CCE_DISABLE", "disable"),
     ):
         if name in environ:
@@ -91,8 +84,6 @@ def from_environ(environ: Mapping[str, str]) -> Settings:
             raise ValueError(
                 f"CCE_MEMORY_BUDGET_MB must be an integer, got {environ['CCE_MEMORY_BUDGET_MB']!r}"
             ) from None
-    if environ.get("CCE_FILTER_EPS", "").strip():
-        kwargs["filter_eps"] = float(environ["CCE_FILTER_EPS"])
     return Settings(**kwargs)  # type: ignore[arg-type]
 
 

@@ -21,8 +21,6 @@ def test_every_variable_is_read():
             "CCE_MEMORY_BUDGET_MB": "64",
             "CCE_ESCAPING_LOGITS": "rewrite",
             "CCE_CHECK_TARGETS": "true",
-            "CCE_FILTER_EPS": "0.0001",
-            "CCE_DETERMINISTIC": "yes",
             "CCE_DISABLE": "on",
         }
     )
@@ -32,8 +30,6 @@ def test_every_variable_is_read():
         memory_budget_mb=64,
         escaping_logits="rewrite",
         check_targets=True,
-        filter_eps=1e-4,
-        deterministic=True,
         disable=True,
     )
 
@@ -46,7 +42,6 @@ def test_every_variable_is_read():
         ({"CCE_MEMORY_BUDGET_MB": "lots"}, "CCE_MEMORY_BUDGET_MB"),
         ({"CCE_MEMORY_BUDGET_MB": "0"}, "memory_budget_mb"),
         ({"CCE_ESCAPING_LOGITS": "maybe"}, "escaping_logits"),
-        ({"CCE_FILTER_EPS": "2"}, "filter_eps"),
     ],
     ids=lambda v: v if isinstance(v, str) else "-".join(v),
 )
