@@ -134,3 +134,13 @@ def test_symbolic_softcap_and_smoothing_under_dynamic():
     # attempt: the graph it keeps (the last) carries the op.
     assert outcome.rewritten == len(outcome.graphs) >= 1
     assert OP in [n.target for n in outcome.graphs[-1].graph.nodes]
+
+
+def test_recording_collects_reports_of_a_real_compile():
+    from cce_compile.passes.report import recording
+
+    with recording() as reports:
+        outcome = check(loss, small_inputs(), backend="cce")
+    assert outcome.rewritten == 1
+    assert [r.rewritten for r in reports] == [True]
+    assert reports[0].rows == 10 and reports[0].vocab == 11
