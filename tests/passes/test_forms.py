@@ -316,3 +316,21 @@ def test_escaping_logits_policy_rewrites_and_keeps_gradients():
         # backward through the loss *and* the returned logits: both gradient paths must flow.
         outcome = check(_returns_logits, (x, w, y), backward_all=True)
     assert outcome.rewritten == 1 and outcome.has_op
+
+
+def test_dtensor_weights_left_alone():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        x, w, _, y = inputs()
+        dw = distribute_tensor(w.detach(), mesh, [Replicate()]).requires_grad_()
+        dx = distribute_tensor(x.detach().view(-1, D), mesh, [Replicate()])
+        dy = distribute_tensor(y.view(-1), mesh, [Replicate()])
+        outcome = check(lambda x, w, y: F.cross_entropy(F.linear(x, w), y), (dx, dw, dy))
+        assert outcome.rewritten == 0 and outcome.skipped == {"dtensor_weights": 1}
+    finally:
+        dist.destroy_process_group()
