@@ -24,8 +24,13 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 @pytest.fixture(autouse=True)
 def restore_hook():
+    """Restore Inductor's hook after each test; compile caches off, because on a cache hit
+    a pre-grad pass is not called at all and these tests count calls."""
     before = inductor_config.pre_grad_custom_pass
-    yield
+    with inductor_config.patch(fx_graph_cache=False), torch._functorch.config.patch(
+        enable_autograd_cache=False
+    ):
+        yield
     inductor_config.pre_grad_custom_pass = before
 
 
@@ -175,6 +180,9 @@ SCRIPT = textwrap.dedent(
 
 def _run(python, env_extra, *args, cwd):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CCE_")}
+    # A fresh compile cache: on a cache hit the pass does not run (the cached graph already
+    # holds the op), and this test counts rewrites.
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(cwd / f"inductor-cache-{len(env_extra)}-{len(args)}")
     env.update(env_extra)
     script = cwd / "script.py"
     script.write_text(SCRIPT)
