@@ -191,8 +191,15 @@ def row_coefficients(
     rows: RowTargets,
     spec: LossSpec,
     vocab: int,
+    lse_all_rows: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row (coef_p, coef_t, coef_w) of dz = coef_p * p - coef_t * onehot - coef_w * w."""
+    """Per-row (coef_p, coef_t, coef_w) of dz = coef_p * p - coef_t * onehot - coef_w * w.
+
+    Without ``lse_all_rows`` an ignored row's lse was returned as the constant 0, so its
+    gradient carries nothing back.
+    """
+    if grad_lse is not None and not lse_all_rows:
+        grad_lse = torch.where(rows.valid, grad_lse, 0.0)
     parts = row_coefficient_parts(grad_loss, grad_lse, rows, spec, vocab)
     coef_p = parts.p_base if parts.p_per_lse is None else parts.p_base + parts.p_per_lse * lse
     return coef_p, parts.coef_t, parts.coef_w

@@ -38,9 +38,10 @@ def fast_chunk_rows(
     return max(1, min(FAST_CHUNK_ROWS, left // (vocab * elem_bytes)))
 
 
-def fast_extra_bytes(vocab: int, dim: int, needs_classifier: bool, elem_bytes: int = 2) -> int:
-    """Extra memory of fast mode beyond inputs and gradients: accumulator and one chunk."""
-    chunk = FAST_CHUNK_ROWS * vocab * elem_bytes
+def fast_extra_bytes(vocab: int, dim: int, needs_classifier: bool) -> int:
+    """Extra memory of fast mode beyond inputs and gradients: accumulator and one chunk
+    (estimated in 16-bit logits: the choice is made before the dtype matters)."""
+    chunk = FAST_CHUNK_ROWS * vocab * 2
     return fast_accumulator_bytes(vocab, dim, needs_classifier) + chunk
 
 

@@ -230,9 +230,6 @@ def backward(
     vocab, rows, c32, b32, w32 = _prepare(hidden, classifier, targets, bias, class_weights, spec)
     rows_io = _Rows(hidden, spec.shift)
     n_rows = rows.targets.numel()
-    if grad_lse is not None and not lse_all_rows:
-        # The lse of an ignored row was returned as the constant 0.
-        grad_lse = torch.where(rows.valid, grad_lse, 0.0)
     acc = _Accumulators(hidden, classifier, bias, needs)
     for start, stop in _chunks(n_rows, chunk_rows(vocab, budget_bytes)):
         chunk_rows_ = rows.slice(start, stop)
@@ -241,7 +238,13 @@ def backward(
             chunk_grad_loss = grad_loss[start:stop]
         chunk_grad_lse = grad_lse[start:stop] if grad_lse is not None else None
         coefs = row_coefficients(
-            chunk_grad_loss, chunk_grad_lse, lse[start:stop], chunk_rows_, spec, vocab
+            chunk_grad_loss,
+            chunk_grad_lse,
+            lse[start:stop],
+            chunk_rows_,
+            spec,
+            vocab,
+            lse_all_rows,
         )
         h32 = rows_io.read(start, stop).float()
         z = _logits(h32, c32, b32, spec)

@@ -256,12 +256,10 @@ def backward(
     vocab, dim = classifier.shape
     device = hidden.device
     rows = row_targets(targets, class_weights, spec, vocab)
-    if grad_lse is not None and not lse_all_rows:
-        grad_lse = torch.where(rows.valid, grad_lse, 0.0)
     layout = row_layout(hidden, spec.shift)
     coefs = tuple(
         layout.rows_to_positions(c)
-        for c in row_coefficients(grad_loss, grad_lse, lse, rows, spec, vocab)
+        for c in row_coefficients(grad_loss, grad_lse, lse, rows, spec, vocab, lse_all_rows)
     )
     lse_positions = layout.rows_to_positions(lse)
     config = _tile_config(device, _heavy(spec, class_weights), hidden.element_size())
