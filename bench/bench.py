@@ -39,6 +39,9 @@ SHAPES = {  # name: (N, D, V)
     "B": (16384, 4096, 128256),
     "C": (4096, 2048, 32000),
     "E": (8192, 4096, 128256),
+    "G": (16384, 512, 131072),  # the GPU demo's head: batch 16 x context 1024, dim 512
+    "H": (16384, 768, 131072),  # GPT-2 small's width
+    "I": (16384, 1024, 131072),
 }
 IGNORED_FRACTION = 0.1
 GiB = 2**30

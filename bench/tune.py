@@ -21,7 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import cce_compile  # noqa: E402
 from bench import SHAPES, cuda_time_ms, make_inputs  # noqa: E402
-from cce_compile import config, triton_path  # noqa: E402
+from cce_compile import config, policy, triton_path  # noqa: E402
 from cce_compile.kernels.common import TileConfig  # noqa: E402
 
 CANDIDATES = [
@@ -32,10 +32,17 @@ CANDIDATES = [
     TileConfig(128, 128, 128, 8, 8, 3, 4),
     TileConfig(256, 128, 64, 8, 8, 3, 4),
     TileConfig(128, 256, 64, 8, 8, 3, 1),
+    # Small D (the demo's 512): few K steps, so the epilogue is a larger share of each tile;
+    # smaller tiles let two programs share an SM and overlap one's epilogue with the other's
+    # main loop.
+    TileConfig(128, 128, 64, 8, 4, 3, 1),
+    TileConfig(128, 128, 64, 8, 8, 3, 1),
+    TileConfig(64, 256, 64, 8, 4, 3, 1),
+    TileConfig(128, 256, 128, 8, 8, 2, 1),
 ]
 
 
-def tune_shape(name, reps):
+def tune_shape(name, reps, candidates=CANDIDATES, sweeps=True):
     default_config = triton_path._tile_config
     n, d, v = SHAPES[name]
     hidden, classifier, targets = make_inputs(n, d, v)
@@ -56,12 +63,12 @@ def tune_shape(name, reps):
         rows[key] = value
         print(name, key, value, flush=True)
 
-    for cfg in CANDIDATES:
+    for cfg in candidates:
         key = (
             f"{cfg.block_n}x{cfg.block_v}x{cfg.block_d}-w{cfg.num_warps}-s{cfg.num_stages}"
             f"-t{cfg.tiles_per_program}"
         )
-        triton_path._tile_config = lambda device, heavy=False, cfg=cfg: cfg
+        triton_path._tile_config = lambda *args, cfg=cfg, **kwargs: cfg
         try:
             fwd, _ = cuda_time_ms(lean_forward, reps, 2)
             lean, _ = cuda_time_ms(lambda: step("lean"), max(3, reps // 2), 1)
@@ -69,18 +76,23 @@ def tune_shape(name, reps):
         except Exception as exc:
             record(key, {"error": str(exc)[:200]})
     triton_path._tile_config = default_config
+    if not sweeps:
+        return rows
     default_slab = triton_path.SLAB_BYTES
     for slab_mb in (32, 64, 128, 512):
         triton_path.SLAB_BYTES = slab_mb * 2**20
         lean, _ = cuda_time_ms(lambda: step("lean"), max(3, reps // 2), 1)
         record(f"slab_{slab_mb}MB", {"lean_x_floor": lean / matmul / 3})
     triton_path.SLAB_BYTES = default_slab
-    for chunk_mb in (256, 512, 1024, 2048, 4096):
-        with config.override(memory_budget_mb=chunk_mb):
+    default_rows = policy.FAST_CHUNK_ROWS
+    for chunk_rows in (1024, 2048, 4096, 8192):
+        policy.FAST_CHUNK_ROWS = chunk_rows
+        with config.override(memory_budget_mb=64 * 1024):
             torch.cuda.reset_peak_memory_stats()
             fast, _ = cuda_time_ms(lambda: step("fast"), max(3, reps // 2), 1)
             peak = torch.cuda.max_memory_allocated() / 2**30
-        record(f"fast_{chunk_mb}MB", {"fast_x_floor": fast / matmul / 3, "peak_gb": peak})
+        record(f"fast_{chunk_rows}rows", {"fast_x_floor": fast / matmul / 3, "peak_gb": peak})
+    policy.FAST_CHUNK_ROWS = default_rows
     return rows
 
 
@@ -89,12 +101,17 @@ def main(argv=None):
     parser.add_argument("--shapes", default="B,E,A,C")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default="/tmp")
+    parser.add_argument("--configs", default=None, help="comma list of CANDIDATES indices")
+    parser.add_argument("--no-sweeps", action="store_true", help="tile configurations only")
     args = parser.parse_args(argv)
+    candidates = CANDIDATES
+    if args.configs:
+        candidates = [CANDIDATES[int(i)] for i in args.configs.split(",")]
     report = {}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in args.shapes.split(","):
-        report[name] = tune_shape(name, args.reps)
+        report[name] = tune_shape(name, args.reps, candidates, not args.no_sweeps)
         torch.cuda.empty_cache()
         (out / "tune.json").write_text(json.dumps(report, indent=1))
 

@@ -59,6 +59,12 @@ def parse(argv) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--mode",
+        choices=cce_config.MODES,
+        default=None,
+        help="the op's mode for the cce_compile run (default: CCE_MODE, else 'auto')",
+    )
+    parser.add_argument(
         "--max-batch",
         action="store_true",
         help="GPU: find the largest batch that fits for each run",
@@ -81,6 +87,12 @@ def parse(argv) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    changes = {"mode": args.mode} if args.mode else {}
+    with cce_config.override(**changes):  # restored afterwards: tests call main() in-process
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -126,7 +138,8 @@ def main(argv=None) -> int:
     print(f"  {ids.numel():,} tokens (cached in {args.cache_dir})")
     print(
         f"Model: {args.arch.upper()} dim {model_cfg.dim}, {model_cfg.layers} layers, context "
-        f"{model_cfg.context}; batch {cfg.batch}, {cfg.steps} steps, device {device}"
+        f"{model_cfg.context}; batch {cfg.batch}, {cfg.steps} steps, device {device}; "
+        f"cce_compile mode {cce_config.get().mode!r}"
     )
 
     baseline = train(cfg, ids, use_cce=False, progress=_progress("torch.compile", cfg.steps))
@@ -137,7 +150,15 @@ def main(argv=None) -> int:
         else:
             for run, use_cce in ((baseline, False), (fused, True)):
                 run.max_batch, run.max_batch_tokens_per_s = max_batch(
-                    cfg, use_cce, cfg.batch, limit=args.max_batch_limit
+                    cfg,
+                    use_cce,
+                    cfg.batch,
+                    limit=args.max_batch_limit,
+                    report=lambda batch, rate, name=run.name: print(
+                        f"  {name:14s} batch {batch:5d}: "
+                        + (f"{rate:11,.0f} tok/s" if rate else "out of memory"),
+                        flush=True,
+                    ),
                 )
     tokens_per_step = cfg.batch * model_cfg.context
     logits_mib = tokens_per_step * model_cfg.vocab * (2 if device == "cuda" else 4) / 2**20

@@ -53,7 +53,13 @@ class CausalSelfAttention(nn.Module):
 
 
 class GatedLinearAttention(nn.Module):
-    """Scalar-gated linear attention per head, chunkwise-parallel."""
+    """Scalar-gated linear attention per head, chunkwise-parallel.
+
+    Every chunk is computed at once: attention inside each chunk, plus the state carried in
+    from earlier chunks, which is a decay-weighted sum of their (k^T v) updates. The gate is a
+    scalar per head, so that sum is one (chunks x chunks) matmul, and there is no Python loop
+    for torch.compile to unroll (the loop took ~100 s to compile at context 1024).
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -67,29 +73,32 @@ class GatedLinearAttention(nn.Module):
         h, c = self.heads, self.chunk
         if t % c:
             raise ValueError(f"sequence length {t} must be a multiple of the chunk {c}")
+        n = t // c
         q, k, v = self.qkv(x).view(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)  # (b, h, t, e)
         q = q * (d // h) ** -0.5
         log_gate = F.logsigmoid(self.gate(x)).transpose(1, 2) / 16  # (b, h, t), decay near 1
-        n = t // c
         q, k, v = (z.reshape(b, h, n, c, -1) for z in (q, k, v))
-        decay = log_gate.reshape(b, h, n, c).cumsum(-1)  # within-chunk cumulative log decay
+        decay = log_gate.reshape(b, h, n, c).cumsum(-1)  # log decay since the chunk's start
+        last = decay[..., -1]  # (b, h, n): log decay across each whole chunk
+        # Exponents are masked to -inf before exp(): the masked-out ones may be large, and
+        # exp() there would give inf * 0 = NaN in the backward.
         causal = torch.ones(c, c, dtype=torch.bool, device=x.device).tril()
-        state = x.new_zeros(b, h, d // h, d // h)
-        outputs = []
-        for i in range(n):
-            bi = decay[:, :, i]  # (b, h, c)
-            qi, ki, vi = q[:, :, i], k[:, :, i], v[:, :, i]
-            weights = torch.exp(bi[..., :, None] - bi[..., None, :]).masked_fill(~causal, 0.0)
-            intra = ((qi @ ki.transpose(-1, -2)) * weights) @ vi
-            inter = (qi * bi.exp()[..., None]) @ state
-            outputs.append(intra + inter)
-            last = bi[..., -1:]  # (b, h, 1)
-            state = (
-                state * last.exp()[..., None]
-                + (ki * (last - bi).exp()[..., None]).transpose(-1, -2) @ vi
-            )
-        y = torch.stack(outputs, 2).reshape(b, h, t, d // h).transpose(1, 2).reshape(b, t, d)
-        return self.out(y)
+        within = (decay[..., :, None] - decay[..., None, :]).masked_fill(~causal, float("-inf"))
+        intra = ((q @ k.transpose(-1, -2)) * within.exp()) @ v
+        # Chunk j's update to the state, decayed to the end of chunk j: (b, h, n, e, e).
+        update = (k * (last[..., None] - decay).exp()[..., None]).transpose(-1, -2) @ v
+        # The state entering chunk i: sum over j < i of update_j decayed across chunks j+1..i-1.
+        ends = last.cumsum(-1)  # (b, h, n): log decay from the start to the end of chunk i
+        earlier = torch.ones(n, n, dtype=torch.bool, device=x.device).tril(-1)
+        across = ((ends - last)[..., :, None] - ends[..., None, :]).masked_fill(
+            ~earlier, float("-inf")
+        )
+        state = (across.exp().to(update.dtype) @ update.flatten(-2)).view_as(update)
+        inter = (q * decay.exp()[..., None]) @ state
+        # Per-head RMS norm of the output, as in the GLA paper: the state's scale drifts with
+        # the gates, and without the norm training spikes at the end of the warm-up.
+        y = F.rms_norm(intra + inter, (d // h,)).reshape(b, h, t, d // h)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
 
 
 class Block(nn.Module):

@@ -190,20 +190,29 @@ def _measure(
     return 1000 * elapsed, _peak_gb(cfg.device)
 
 
-def max_batch(cfg: RunConfig, use_cce: bool, start: int, limit: int = 4096) -> tuple[int, float]:
+def max_batch(
+    cfg: RunConfig,
+    use_cce: bool,
+    start: int,
+    limit: int = 4096,
+    report: Callable[[int, float | None], None] | None = None,
+) -> tuple[int, float]:
     """Largest batch (doubling, then one bisection step) whose training step fits on the GPU,
-    and tokens/s there."""
+    and tokens/s there; ``report(batch, tokens_per_s or None)`` after each try."""
     torch.manual_seed(cfg.seed)
     model = build(cfg.arch, cfg.model).to(cfg.device)
 
     def fits(batch: int) -> float | None:
         try:
             ms, _ = _measure(model, cfg, use_cce, "forward", batch=batch, steps=3)
-            return batch * cfg.model.context / (ms / 1000)
+            rate = batch * cfg.model.context / (ms / 1000)
         except torch.OutOfMemoryError:
             model.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
-            return None
+            rate = None
+        if report is not None:
+            report(batch, rate)
+        return rate
 
     best, rate = 0, 0.0
     batch = start

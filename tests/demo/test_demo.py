@@ -5,14 +5,23 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from cce_compile import config as cce_config
 from cce_compile.demo.__main__ import main
 
 
-@pytest.mark.parametrize("arch", ["gpt", "gla"])
-def test_demo_end_to_end(arch, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "arch, mode", [("gpt", None), ("gla", None), ("gpt", "lean")], ids=["gpt", "gla", "gpt-lean"]
+)
+def test_demo_end_to_end(arch, mode, tmp_path, capsys):
+    # Dynamo would reuse an earlier test's graph for the same code and backend (its guards do
+    # not see the mode), and the pass would not run again.
+    torch._dynamo.reset()
+    settings_before = cce_config.get()
     code = main(
         [
+            *(["--mode", mode] if mode else []),
             "--arch",
             arch,
             "--device",
@@ -40,10 +49,12 @@ def test_demo_end_to_end(arch, tmp_path, capsys):
         ]
     )
     assert code == 0
+    assert cce_config.get() is settings_before  # --mode is scoped to the demo
     printed = capsys.readouterr().out
     assert "sites rewritten by the pass" in printed
     result = json.loads((tmp_path / "out" / f"demo_{arch}.json").read_text())
     baseline, fused = result["runs"]
+    assert result["meta"]["settings"]["mode"] == (mode or settings_before.mode)
     assert baseline["rewritten_sites"] == 0 and fused["rewritten_sites"] >= 1
     assert len(baseline["losses"]) == len(fused["losses"]) == 6
     diff = max(abs(a - b) for a, b in zip(baseline["losses"], fused["losses"]))

@@ -22,25 +22,43 @@ def test_shapes_and_loss(arch):
     assert model.lm_head.weight is model.wte.weight and model.wte.weight.grad is not None
 
 
-def test_gla_chunked_equals_recurrence():
-    torch.manual_seed(0)
-    layer = GatedLinearAttention(CFG)
-    x = torch.randn(2, 32, CFG.dim)
-    chunked = layer(x)
+def _gla_recurrence(layer, x):
+    """The same layer token by token: S_t = exp(g_t) S_{t-1} + k_t^T v_t ; o_t = q_t S_t,
+    then the per-head RMS norm."""
     b, t, d = x.shape
     h = CFG.heads
     q, k, v = layer.qkv(x).view(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)
     q = q * (d // h) ** -0.5
     gate = torch.nn.functional.logsigmoid(layer.gate(x)).transpose(1, 2) / 16
-    state = torch.zeros(b, h, d // h, d // h)
+    state = x.new_zeros(b, h, d // h, d // h)
     outs = []
-    for step in range(t):  # S_t = exp(g_t) S_{t-1} + k_t^T v_t ; o_t = q_t S_t
+    for step in range(t):
         state = state * gate[:, :, step].exp()[..., None, None] + (
             k[:, :, step, :, None] * v[:, :, step, None, :]
         )
         outs.append((q[:, :, step, None, :] @ state)[:, :, 0])
-    reference = layer.out(torch.stack(outs, 2).transpose(1, 2).reshape(b, t, d))
-    torch.testing.assert_close(chunked, reference, rtol=1e-4, atol=1e-5)
+    y = torch.nn.functional.rms_norm(torch.stack(outs, 2), (d // h,))
+    return layer.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+# "weak": the initial gates (decay ~0.97 per step); "strong": decay ~0.1 per step, and heads
+# that differ, so chunk-to-chunk decay matters and a wrong exponent shows.
+@pytest.mark.parametrize("gates", ["weak", "strong"])
+def test_gla_chunked_equals_recurrence(gates):
+    torch.manual_seed(0)
+    layer = GatedLinearAttention(CFG).double()
+    if gates == "strong":
+        with torch.no_grad():
+            layer.gate.bias.copy_(torch.tensor([-40.0, -20.0, -5.0, 2.0]))
+    x = torch.randn(2, 32, CFG.dim, dtype=torch.float64, requires_grad=True)
+    chunked = layer(x)
+    grad_out = torch.randn_like(chunked)
+    got = torch.autograd.grad(chunked, [x, *layer.parameters()], grad_out)
+    reference = _gla_recurrence(layer, x)
+    want = torch.autograd.grad(reference, [x, *layer.parameters()], grad_out)
+    torch.testing.assert_close(chunked, reference, rtol=1e-10, atol=1e-12)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
 
 
 def test_gla_rejects_partial_chunk():

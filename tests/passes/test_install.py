@@ -27,8 +27,9 @@ def restore_hook():
     """Restore Inductor's hook after each test; compile caches off, because on a cache hit
     a pre-grad pass is not called at all and these tests count calls."""
     before = inductor_config.pre_grad_custom_pass
-    with inductor_config.patch(fx_graph_cache=False), torch._functorch.config.patch(
-        enable_autograd_cache=False
+    with (
+        inductor_config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
     ):
         yield
     inductor_config.pre_grad_custom_pass = before
