@@ -34,13 +34,17 @@ from .reference import ForwardOut, Needs
 # the small per-row vectors it keeps lean mode's extra memory under 64 MB; wider slabs save the
 # float32 d-hidden accumulator read-modify-write passes (bench/results/tune.md).
 SLAB_BYTES = 60 * 2**20
+# Widest hidden size that takes the small-tile configuration (see _tile_config).
+SMALL_TILE_MAX_DIM = 2048
 
 
 def available() -> bool:
     return torch.cuda.is_available()
 
 
-def _tile_config(device: torch.device, heavy: bool = False, elem_bytes: int = 2) -> TileConfig:
+def _tile_config(
+    device: torch.device, heavy: bool = False, elem_bytes: int = 2, dim: int = 4096
+) -> TileConfig:
     """Tiles for the GEMM kernels.
 
     ``heavy``: softcap / label smoothing / class weights add epilogue registers, and 128 x 256
@@ -62,10 +66,18 @@ def _tile_config(device: torch.device, heavy: bool = False, elem_bytes: int = 2)
             block_n=128, block_v=128, block_d=32, num_warps=8, num_stages=3, tiles_per_program=1
         )
     # Measured on an H200 (bench/results/tune.md): 128 x 256 tiles, one per program, were the
-    # fastest for the plain epilogue on shapes A, B and E.
+    # fastest for the plain epilogue on shapes A, B and E (D >= 2304). Up to D = 2048 a tile
+    # has few K steps and its epilogue is a larger share: 128 x 128 tiles on four warps let
+    # two programs share an SM, one's epilogue overlapping the other's main loop (forward
+    # 1.41-1.54x the matmul instead of 1.55-1.79x at D = 512-2048). With the heavy epilogue
+    # they would spill, so heavy keeps eight warps.
     if heavy:
         return TileConfig(
             block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=4, tiles_per_program=1
+        )
+    if dim <= SMALL_TILE_MAX_DIM:
+        return TileConfig(
+            block_n=128, block_v=128, block_d=64, num_warps=4, num_stages=3, tiles_per_program=1
         )
     return TileConfig(
         block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3, tiles_per_program=1
@@ -154,7 +166,9 @@ def forward(
         softcap=spec.softcap,
         skip_ignored=not lse_all_rows,
         needs_wsum=spec.needs_wsum,
-        config=_tile_config(hidden.device, _heavy(spec, class_weights), hidden.element_size()),
+        config=_tile_config(
+            hidden.device, _heavy(spec, class_weights), hidden.element_size(), dim=hidden.shape[-1]
+        ),
     )
     lse = torch.logsumexp(partial_lse, dim=0)
     wsum = partial_wsum.sum(0) if partial_wsum is not None else None
@@ -262,7 +276,7 @@ def backward(
         for c in row_coefficients(grad_loss, grad_lse, lse, rows, spec, vocab, lse_all_rows)
     )
     lse_positions = layout.rows_to_positions(lse)
-    config = _tile_config(device, _heavy(spec, class_weights), hidden.element_size())
+    config = _tile_config(device, _heavy(spec, class_weights), hidden.element_size(), dim=dim)
     work_dtype = _work_dtype(hidden)
     n_positions = layout.n_positions
     width = slab_width(

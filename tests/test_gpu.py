@@ -49,8 +49,11 @@ def rel(a, b):
     [{}, {"softcap": 30.0, "label_smoothing": 0.1, "shift": 1}],
     ids=["plain", "softcap-smoothing-shift"],
 )
-def test_realistic_shape_matches_float64(mode, options):
-    hidden, classifier, targets = realistic()
+# 2304: the large tiles; 520 and 515: the small-tile configuration (D <= 2048), with TMA
+# (rows 16-byte aligned) and with pointers (odd D).
+@pytest.mark.parametrize("dim", [2304, 520, 515], ids=["d2304", "d520-tma", "d515-pointers"])
+def test_realistic_shape_matches_float64(mode, options, dim):
+    hidden, classifier, targets = realistic(dim=dim)
     bias = (torch.randn(classifier.shape[0], device="cuda") * 0.1).bfloat16()
     leaves = [t.clone().requires_grad_() for t in (hidden, classifier, bias)]
     loss = lce(*leaves[:2], targets, leaves[2], mode=mode, **options)

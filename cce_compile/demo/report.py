@@ -57,7 +57,11 @@ def table(baseline: RunResult, fused: RunResult, logits_mib: float | None) -> st
     lines += [f"{name:{width}}  {a:>16}  {b:>16}" for name, a, b in rows]
     lines.append(f"largest per-step loss difference between the runs: {diff:.2e} nats")
     if logits_mib is not None:
-        lines.append(f"logits memory the pass removed (estimate): {logits_mib:,.1f} MiB per step")
+        line = f"logits footprint (one step's N x V logits): {logits_mib:,.0f} MiB"
+        if baseline.peak_memory_gb is not None and fused.peak_memory_gb is not None:
+            saved = (baseline.peak_memory_gb - fused.peak_memory_gb) * 1024
+            line += f"; peak memory saved: {saved:,.0f} MiB ({saved / logits_mib:.0%} of it)"
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -162,9 +162,18 @@ def _peak_gb(device: str) -> float | None:
 
 
 def _measure(
-    model, cfg: RunConfig, use_cce: bool, loss_fn: str, batch: int | None = None, steps: int = 5
+    model,
+    cfg: RunConfig,
+    use_cce: bool,
+    loss_fn: str,
+    batch: int | None = None,
+    steps: int = 5,
+    dynamic_batch: bool = False,
 ) -> tuple[float, float | None]:
-    """(ms per fwd+bwd step, peak GB) of ``model.<loss_fn>`` at ``batch``; no optimizer step."""
+    """(ms per fwd+bwd step, peak GB) of ``model.<loss_fn>`` at ``batch``; no optimizer step.
+
+    ``dynamic_batch`` compiles the batch dimension as symbolic, so that trying many batch
+    sizes compiles once rather than once per size."""
     step = _make_step(model, cfg, use_cce, loss_fn)
     data = batches(
         torch.arange(cfg.model.vocab, dtype=torch.int32).repeat(64),
@@ -174,6 +183,9 @@ def _measure(
         cfg.device,
     )
     x, y = next(data)
+    if dynamic_batch:
+        torch._dynamo.mark_dynamic(x, 0)
+        torch._dynamo.mark_dynamic(y, 0)
     for _ in range(2):  # compile, warm up
         step(x, y).backward()
     model.zero_grad(set_to_none=True)
@@ -198,13 +210,18 @@ def max_batch(
     report: Callable[[int, float | None], None] | None = None,
 ) -> tuple[int, float]:
     """Largest batch (doubling, then one bisection step) whose training step fits on the GPU,
-    and tokens/s there; ``report(batch, tokens_per_s or None)`` after each try."""
+    and tokens/s there; ``report(batch, tokens_per_s or None)`` after each try.
+
+    The step is compiled once with a symbolic batch dimension (a static compile per size took
+    most of the search's time); both runs are measured the same way."""
     torch.manual_seed(cfg.seed)
     model = build(cfg.arch, cfg.model).to(cfg.device)
 
     def fits(batch: int) -> float | None:
         try:
-            ms, _ = _measure(model, cfg, use_cce, "forward", batch=batch, steps=3)
+            ms, _ = _measure(
+                model, cfg, use_cce, "forward", batch=batch, steps=3, dynamic_batch=True
+            )
             rate = batch * cfg.model.context / (ms / 1000)
         except torch.OutOfMemoryError:
             model.zero_grad(set_to_none=True)

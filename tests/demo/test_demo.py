@@ -60,3 +60,23 @@ def test_demo_end_to_end(arch, mode, tmp_path, capsys):
     diff = max(abs(a - b) for a, b in zip(baseline["losses"], fused["losses"]))
     assert diff < 1e-3, diff  # same seed, same data, same math (float32 on CPU)
     assert (tmp_path / "out" / f"demo_{arch}.png").exists()
+
+
+def test_max_batch_search_doubles_then_bisects():
+    from cce_compile.demo.models import ModelConfig
+    from cce_compile.demo.train import RunConfig, max_batch
+
+    torch._dynamo.reset()
+    cfg = RunConfig(
+        arch="gpt",
+        model=ModelConfig(vocab=64, dim=16, layers=1, heads=2, context=8),
+        batch=2,
+        steps=1,
+    )
+    tried = []
+    best, rate = max_batch(cfg, False, 2, limit=8, report=lambda b, r: tried.append((b, r)))
+    # Nothing runs out of memory on the CPU: 2, 4 and 8 fit; 16 is past the limit, so the
+    # search stops there without a bisection step.
+    assert [b for b, _ in tried] == [2, 4, 8]
+    assert all(r is not None and r > 0 for _, r in tried)
+    assert best == 8 and rate == tried[-1][1]
