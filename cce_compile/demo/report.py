@@ -93,6 +93,7 @@ def save(out_dir: pathlib.Path, meta: dict, baseline: RunResult, fused: RunResul
         memory = bars.twinx()
         memory.plot([0, 1], [baseline.peak_memory_gb, fused.peak_memory_gb], "o", color="tab:red")
         memory.set_ylabel("peak memory (GiB)", color="tab:red")
+        memory.set_ylim(bottom=0)
     fig.tight_layout()
     fig.savefig(out_dir / f"demo_{meta['arch']}.png", dpi=110)
     plt.close(fig)
