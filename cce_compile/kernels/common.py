@@ -221,6 +221,78 @@ def logits_tile(
 
 
 @triton.jit
+def capped_logits_tile(
+    hidden,
+    classifier,
+    bias,
+    first_pos,
+    first_col,
+    pos_c,
+    cols_c,
+    dim,
+    stride_pos,
+    stride_cv,
+    logit_scale,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """z = softcap(logit_scale * (hidden @ classifier.T + bias)) for one tile, float32: what
+    both the forward and the backward slab kernel see of the logits, computed the same way."""
+    acc = logits_tile(
+        hidden,
+        classifier,
+        first_pos,
+        first_col,
+        pos_c,
+        cols_c,
+        dim,
+        stride_pos,
+        stride_cv,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_D,
+        USE_TMA,
+        UPCAST_DOT,
+        DOT_PRECISION,
+    )
+    if HAS_BIAS:
+        acc += tl.load(bias + cols_c).to(tl.float32)[None, :]
+    return cap_logits(acc, logit_scale, softcap, HAS_SOFTCAP)
+
+
+def gemm_launch_options(
+    config: TileConfig,
+    hidden: torch.Tensor,
+    *,
+    use_tma: bool,
+    has_bias: bool,
+    softcap: float,
+) -> dict:
+    """The keyword arguments that both GEMM kernels take the same way: tiles, load path,
+    epilogue flags, and the dot precision / interpreter work-around for hidden's dtype."""
+    return dict(
+        HAS_BIAS=has_bias,
+        HAS_SOFTCAP=bool(softcap),
+        USE_TMA=use_tma,
+        UPCAST_DOT=hidden.device.type == "cpu",
+        DOT_PRECISION=dot_precision(hidden.dtype, hidden.device),
+        BLOCK_N=config.block_n,
+        BLOCK_V=config.block_v,
+        BLOCK_D=config.block_d,
+        GROUP_N=config.group_n,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+@triton.jit
 def grouped_tile(
     pid, n_rows, vocab_cols, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, GROUP_N: tl.constexpr
 ):

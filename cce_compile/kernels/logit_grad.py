@@ -21,11 +21,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import (
     TileConfig,
-    cap_logits,
-    dot_precision,
+    capped_logits_tile,
+    gemm_launch_options,
     grouped_tile,
     launch_grid,
-    logits_tile,
     operand_args,
     row_layout,
     tile_rows,
@@ -94,9 +93,10 @@ def _logit_grad_kernel(
         grad = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
     else:
         cols_c = tl.minimum(cols, vocab - 1)
-        acc = logits_tile(
+        z = capped_logits_tile(
             hidden,
             classifier,
+            bias,
             first,
             col_start + first_local,
             pos_c,
@@ -104,6 +104,10 @@ def _logit_grad_kernel(
             dim,
             stride_pos,
             stride_cv,
+            logit_scale,
+            softcap,
+            HAS_BIAS,
+            HAS_SOFTCAP,
             BLOCK_N,
             BLOCK_V,
             BLOCK_D,
@@ -111,9 +115,6 @@ def _logit_grad_kernel(
             UPCAST_DOT,
             DOT_PRECISION,
         )
-        if HAS_BIAS:
-            acc += tl.load(bias + cols_c).to(tl.float32)[None, :]
-        z = cap_logits(acc, logit_scale, softcap, HAS_SOFTCAP)
         grad = c_p[:, None] * tl.exp(z - tl.load(lse + pos_c)[:, None])
         tgt = tl.load(targets + t_off)
         grad -= tl.where(cols[None, :] == tgt[:, None], c_t[:, None], 0.0)
@@ -211,18 +212,10 @@ def logit_grad(
         classifier.stride(0),
         *targets.stride(),
         slab.stride(0),
-        HAS_BIAS=bias is not None,
-        HAS_SOFTCAP=bool(softcap),
         HAS_WEIGHTS=class_weights is not None,
         HAS_SMOOTHING=smoothing,
-        USE_TMA=use_tma,
-        UPCAST_DOT=hidden.device.type == "cpu",
-        DOT_PRECISION=dot_precision(hidden.dtype, hidden.device),
-        BLOCK_N=config.block_n,
-        BLOCK_V=config.block_v,
-        BLOCK_D=config.block_d,
-        GROUP_N=config.group_n,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **gemm_launch_options(
+            config, hidden, use_tma=use_tma, has_bias=bias is not None, softcap=softcap
+        ),
     )
     return slab

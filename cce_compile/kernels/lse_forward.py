@@ -20,11 +20,10 @@ import triton.language as tl
 
 from .common import (
     TileConfig,
-    cap_logits,
-    dot_precision,
+    capped_logits_tile,
+    gemm_launch_options,
     grouped_tile,
     launch_grid,
-    logits_tile,
     operand_args,
     row_layout,
     tile_rows,
@@ -98,9 +97,10 @@ def _lse_forward_kernel(
             cols = first_col + tl.arange(0, BLOCK_V)
             col_ok = cols < vocab
             cols_c = tl.minimum(cols, vocab - 1)
-            acc = logits_tile(
+            z = capped_logits_tile(
                 hidden,
                 classifier,
+                bias,
                 first,
                 first_col,
                 pos_c,
@@ -108,6 +108,10 @@ def _lse_forward_kernel(
                 dim,
                 stride_pos,
                 stride_cv,
+                logit_scale,
+                softcap,
+                HAS_BIAS,
+                HAS_SOFTCAP,
                 BLOCK_N,
                 BLOCK_V,
                 BLOCK_D,
@@ -115,9 +119,6 @@ def _lse_forward_kernel(
                 UPCAST_DOT,
                 DOT_PRECISION,
             )
-            if HAS_BIAS:
-                acc += tl.load(bias + cols_c).to(tl.float32)[None, :]
-            z = cap_logits(acc, logit_scale, softcap, HAS_SOFTCAP)
             z = tl.where(col_ok[None, :], z, float("-inf"))
             tile_max = tl.max(z, axis=1)
             new_max = tl.maximum(run_max, tile_max)
@@ -227,20 +228,12 @@ def lse_forward(
         layout.stride_pos,
         classifier.stride(0),
         *targets.stride(),
-        HAS_BIAS=bias is not None,
-        HAS_SOFTCAP=bool(softcap),
         HAS_WEIGHTS=class_weights is not None,
         NEEDS_WSUM=needs_wsum,
         SKIP_IGNORED=skip_ignored,
-        USE_TMA=use_tma,
-        UPCAST_DOT=device.type == "cpu",
-        DOT_PRECISION=dot_precision(hidden.dtype, hidden.device),
-        BLOCK_N=config.block_n,
-        BLOCK_V=config.block_v,
-        BLOCK_D=config.block_d,
-        GROUP_N=config.group_n,
         TILES=config.tiles_per_program,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **gemm_launch_options(
+            config, hidden, use_tma=use_tma, has_bias=bias is not None, softcap=softcap
+        ),
     )
     return partial_lse, target_logit, partial_wsum
