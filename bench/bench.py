@@ -41,7 +41,7 @@ SHAPES = {  # name: (N, D, V)
     "E": (8192, 4096, 128256),
     "G": (16384, 512, 131072),  # the GPU demo's head: batch 16 x context 1024, dim 512
     "H": (16384, 768, 131072),  # GPT-2 small's width
-    "I": (16384, 1024, 131072),
+    "I": (16384, 1024, 131072),  # where the small-tile rule (D <= 2048) was checked
 }
 IGNORED_FRACTION = 0.1
 GiB = 2**30

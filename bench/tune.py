@@ -10,6 +10,7 @@ mode's chunk budget. Times are medians of CUDA-event timings, relative to the ba
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import sys
@@ -42,8 +43,18 @@ CANDIDATES = [
 ]
 
 
+@contextlib.contextmanager
+def patched(module, name, value):
+    """module.name = value inside the block, restored after it even on error."""
+    previous = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, previous)
+
+
 def tune_shape(name, reps, candidates=CANDIDATES, sweeps=True):
-    default_config = triton_path._tile_config
     n, d, v = SHAPES[name]
     hidden, classifier, targets = make_inputs(n, d, v)
     h = hidden.clone().requires_grad_()
@@ -68,31 +79,29 @@ def tune_shape(name, reps, candidates=CANDIDATES, sweeps=True):
             f"{cfg.block_n}x{cfg.block_v}x{cfg.block_d}-w{cfg.num_warps}-s{cfg.num_stages}"
             f"-t{cfg.tiles_per_program}"
         )
-        triton_path._tile_config = lambda *args, cfg=cfg, **kwargs: cfg
         try:
-            fwd, _ = cuda_time_ms(lean_forward, reps, 2)
-            lean, _ = cuda_time_ms(lambda: step("lean"), max(3, reps // 2), 1)
+            with patched(triton_path, "_tile_config", lambda *args, cfg=cfg, **kwargs: cfg):
+                fwd, _ = cuda_time_ms(lean_forward, reps, 2)
+                lean, _ = cuda_time_ms(lambda: step("lean"), max(3, reps // 2), 1)
             record(key, {"fwd_x_matmul": fwd / matmul, "lean_x_floor": lean / matmul / 3})
         except Exception as exc:
             record(key, {"error": str(exc)[:200]})
-    triton_path._tile_config = default_config
     if not sweeps:
         return rows
-    default_slab = triton_path.SLAB_BYTES
     for slab_mb in (32, 64, 128, 512):
-        triton_path.SLAB_BYTES = slab_mb * 2**20
-        lean, _ = cuda_time_ms(lambda: step("lean"), max(3, reps // 2), 1)
+        with patched(triton_path, "SLAB_BYTES", slab_mb * 2**20):
+            lean, _ = cuda_time_ms(lambda: step("lean"), max(3, reps // 2), 1)
         record(f"slab_{slab_mb}MB", {"lean_x_floor": lean / matmul / 3})
-    triton_path.SLAB_BYTES = default_slab
-    default_rows = policy.FAST_CHUNK_ROWS
     for chunk_rows in (1024, 2048, 4096, 8192):
-        policy.FAST_CHUNK_ROWS = chunk_rows
-        with config.override(memory_budget_mb=64 * 1024):
+        # A budget far above any chunk, so that the row count alone sizes the chunks.
+        with (
+            patched(policy, "FAST_CHUNK_ROWS", chunk_rows),
+            config.override(memory_budget_mb=64 * 1024),
+        ):
             torch.cuda.reset_peak_memory_stats()
             fast, _ = cuda_time_ms(lambda: step("fast"), max(3, reps // 2), 1)
             peak = torch.cuda.max_memory_allocated() / 2**30
         record(f"fast_{chunk_rows}rows", {"fast_x_floor": fast / matmul / 3, "peak_gb": peak})
-    policy.FAST_CHUNK_ROWS = default_rows
     return rows
 
 

@@ -43,7 +43,7 @@ def available() -> bool:
 
 
 def _tile_config(
-    device: torch.device, heavy: bool = False, elem_bytes: int = 2, dim: int = 4096
+    device: torch.device, heavy: bool = False, elem_bytes: int = 2, *, dim: int
 ) -> TileConfig:
     """Tiles for the GEMM kernels.
 
@@ -69,7 +69,7 @@ def _tile_config(
     # fastest for the plain epilogue on shapes A, B and E (D >= 2304). Up to D = 2048 a tile
     # has few K steps and its epilogue is a larger share: 128 x 128 tiles on four warps let
     # two programs share an SM, one's epilogue overlapping the other's main loop (forward
-    # 1.41-1.54x the matmul instead of 1.55-1.79x at D = 512-2048). With the heavy epilogue
+    # 1.41-1.54x the matmul instead of 1.55-1.80x at D = 512-2048). With the heavy epilogue
     # they would spill, so heavy keeps eight warps.
     if heavy:
         return TileConfig(

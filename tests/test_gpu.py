@@ -49,8 +49,9 @@ def rel(a, b):
     [{}, {"softcap": 30.0, "label_smoothing": 0.1, "shift": 1}],
     ids=["plain", "softcap-smoothing-shift"],
 )
-# 2304: the large tiles; 520 and 515: the small-tile configuration (D <= 2048), with TMA
-# (rows 16-byte aligned) and with pointers (odd D).
+# 2304: the large tiles; 520 and 515 with the plain epilogue: the small-tile configuration
+# (D <= 2048; the heavy epilogue keeps its tiles), with TMA (rows 16-byte aligned) and with
+# pointers (odd D). tests/test_triton_path.py checks which configuration each case gets.
 @pytest.mark.parametrize("dim", [2304, 520, 515], ids=["d2304", "d520-tma", "d515-pointers"])
 def test_realistic_shape_matches_float64(mode, options, dim):
     hidden, classifier, targets = realistic(dim=dim)

@@ -148,3 +148,22 @@ def test_hidden_layouts_and_load_paths(monkeypatch, dim, tma, layout):
         case.hidden = case.hidden[:1].expand(3, -1, -1)
     run_and_compare(to_device(case), mode="lean")
     assert used and all(u == tma for u in used)
+
+
+@pytest.mark.parametrize(
+    "dim, heavy, elem_bytes, expected",
+    [
+        (512, False, 2, (128, 128, 4)),
+        (2048, False, 2, (128, 128, 4)),
+        (2049, False, 2, (128, 256, 8)),
+        (512, True, 2, (128, 128, 8)),
+        (512, False, 4, (128, 128, 8)),
+    ],
+    ids=["d512", "d2048-last-small", "d2049-large", "heavy-keeps-8-warps", "float32"],
+)
+def test_gpu_tile_choice(dim, heavy, elem_bytes, expected):
+    """Which tiles a GPU launch gets (a CUDA device object needs no GPU to exist)."""
+    from cce_compile import triton_path
+
+    config = triton_path._tile_config(torch.device("cuda"), heavy, elem_bytes, dim=dim)
+    assert (config.block_n, config.block_v, config.num_warps) == expected

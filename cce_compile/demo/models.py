@@ -3,8 +3,9 @@
 ``GPT`` is nanoGPT's shape (pre-norm attention blocks, tied embeddings, the loss computed in
 ``forward``). ``GLA`` swaps attention for gated linear attention: per head a matrix state
 S_t = exp(g_t) S_{t-1} + k_t^T v_t read by q_t, computed chunkwise (quadratic only inside a
-chunk), so the sequence mixing costs O(T d^2) and the loss layer is a larger share of the step:
-the family the CCE proposal in the seeds argues gains the most.
+chunk of c tokens, plus a (T/c)^2 matmul that carries the state across chunks), so the sequence
+mixing is far cheaper than attention's O(T^2 d) and the loss layer is a larger share of the
+step: the family the CCE proposal in the seeds argues gains the most.
 """
 
 from __future__ import annotations

@@ -274,7 +274,7 @@ def gemm_launch_options(
     use_tma: bool,
     has_bias: bool,
     softcap: float,
-) -> dict:
+) -> dict[str, object]:
     """The keyword arguments that both GEMM kernels take the same way: tiles, load path,
     epilogue flags, and the dot precision / interpreter work-around for hidden's dtype."""
     return dict(

@@ -62,21 +62,67 @@ def test_demo_end_to_end(arch, mode, tmp_path, capsys):
     assert (tmp_path / "out" / f"demo_{arch}.png").exists()
 
 
-def test_max_batch_search_doubles_then_bisects():
+def _tiny_run_config():
     from cce_compile.demo.models import ModelConfig
-    from cce_compile.demo.train import RunConfig, max_batch
+    from cce_compile.demo.train import RunConfig
 
-    torch._dynamo.reset()
-    cfg = RunConfig(
+    return RunConfig(
         arch="gpt",
         model=ModelConfig(vocab=64, dim=16, layers=1, heads=2, context=8),
         batch=2,
         steps=1,
     )
+
+
+def test_max_batch_search_compiles_once():
+    from torch._dynamo.utils import counters
+
+    from cce_compile.demo.train import max_batch
+
+    torch._dynamo.reset()
+    graphs_before = counters["stats"]["unique_graphs"]
+    rewrites_before = counters["cce_compile"]["rewritten"]
     tried = []
-    best, rate = max_batch(cfg, False, 2, limit=8, report=lambda b, r: tried.append((b, r)))
+    best, rate = max_batch(
+        _tiny_run_config(), True, 2, limit=8, report=lambda b, r: tried.append((b, r))
+    )
     # Nothing runs out of memory on the CPU: 2, 4 and 8 fit; 16 is past the limit, so the
     # search stops there without a bisection step.
     assert [b for b, _ in tried] == [2, 4, 8]
     assert all(r is not None and r > 0 for _, r in tried)
     assert best == 8 and rate == tried[-1][1]
+    # One symbolic-batch graph for all sizes, rewritten once.
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1
+    assert counters["cce_compile"]["rewritten"] - rewrites_before == 1
+
+
+def test_max_batch_search_bisects_after_out_of_memory(monkeypatch):
+    from cce_compile.demo import train
+
+    def measure(model, cfg, use_cce, loss_fn, batch=None, **kwargs):
+        if batch > 5:
+            raise torch.OutOfMemoryError("test: too large")
+        return 10.0, None
+
+    monkeypatch.setattr(train, "_measure", measure)
+    tried = []
+    best, rate = train.max_batch(
+        _tiny_run_config(), False, 2, limit=64, report=lambda b, r: tried.append((b, r))
+    )
+    assert [b for b, _ in tried] == [2, 4, 8, 6]  # doubling, then 4 + 4 / 2
+    assert [r is None for _, r in tried] == [False, False, True, True]
+    assert best == 4 and rate == 4 * 8 / 0.010
+
+
+def test_table_reports_memory_saved_against_the_logits():
+    from cce_compile.demo.report import table
+    from cce_compile.demo.train import RunResult
+
+    def run(name, peak):
+        return RunResult(name, [3.0, 2.0], 1000.0, 10.0, peak)
+
+    text = table(run("torch.compile", 6.0), run("cce_compile", 3.0), logits_mib=4096.0)
+    assert "peak memory saved: 3,072 MiB (75% of it)" in text
+    text = table(run("torch.compile", None), run("cce_compile", None), logits_mib=4096.0)
+    assert "logits footprint (one step's N x V logits): 4,096 MiB" in text
+    assert "saved" not in text
