@@ -169,9 +169,10 @@ def cap_logits(y, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def logits_tile(
+def capped_logits_tile(
     hidden,
     classifier,
+    bias,
     first_pos,
     first_col,
     pos_c,
@@ -179,6 +180,10 @@ def logits_tile(
     dim,
     stride_pos,
     stride_cv,
+    logit_scale,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -186,7 +191,9 @@ def logits_tile(
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """hidden[positions] @ classifier[cols].T for one (BLOCK_N, BLOCK_V) tile, float32.
+    """z = softcap(logit_scale * (hidden @ classifier.T + bias)) for one (BLOCK_N, BLOCK_V)
+    tile of positions x classes, float32: what both the forward and the backward slab kernel
+    see of the logits, computed the same way.
 
     With USE_TMA, ``hidden`` and ``classifier`` are TMA descriptors (out-of-bounds rows,
     columns and D are zero-filled); otherwise pointers, with ``pos_c`` / ``cols_c`` clamped to
@@ -217,51 +224,6 @@ def logits_tile(
             acc = tl.dot(h, c, acc, input_precision=DOT_PRECISION)
             h_ptrs += BLOCK_D
             c_ptrs += BLOCK_D
-    return acc
-
-
-@triton.jit
-def capped_logits_tile(
-    hidden,
-    classifier,
-    bias,
-    first_pos,
-    first_col,
-    pos_c,
-    cols_c,
-    dim,
-    stride_pos,
-    stride_cv,
-    logit_scale,
-    softcap,
-    HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """z = softcap(logit_scale * (hidden @ classifier.T + bias)) for one tile, float32: what
-    both the forward and the backward slab kernel see of the logits, computed the same way."""
-    acc = logits_tile(
-        hidden,
-        classifier,
-        first_pos,
-        first_col,
-        pos_c,
-        cols_c,
-        dim,
-        stride_pos,
-        stride_cv,
-        BLOCK_N,
-        BLOCK_V,
-        BLOCK_D,
-        USE_TMA,
-        UPCAST_DOT,
-        DOT_PRECISION,
-    )
     if HAS_BIAS:
         acc += tl.load(bias + cols_c).to(tl.float32)[None, :]
     return cap_logits(acc, logit_scale, softcap, HAS_SOFTCAP)

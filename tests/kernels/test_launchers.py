@@ -165,38 +165,21 @@ def test_launchers_check_shapes():
         lse_forward(hidden, classifier, targets, None, None, **{**common, "shift": 5})
     lse = torch.zeros(10, device=DEVICE)
     coefs = (lse, lse, lse)
+
+    def slab_grad(slab, col_start):
+        return logit_grad(
+            *(hidden, classifier, targets, None, None, lse, coefs, slab),
+            col_start=col_start,
+            shift=0,
+            logit_scale=1.0,
+            softcap=0.0,
+            smoothing=False,
+        )
+
     with pytest.raises(ValueError, match="slab"):
-        logit_grad(
-            hidden,
-            classifier,
-            targets,
-            None,
-            None,
-            lse,
-            coefs,
-            torch.empty(9, 4, device=DEVICE),
-            col_start=0,
-            shift=0,
-            logit_scale=1.0,
-            softcap=0.0,
-            smoothing=False,
-        )
+        slab_grad(torch.empty(9, 4, device=DEVICE), col_start=0)
     with pytest.raises(ValueError, match="columns"):
-        logit_grad(
-            hidden,
-            classifier,
-            targets,
-            None,
-            None,
-            lse,
-            coefs,
-            torch.empty(10, 4, device=DEVICE),
-            col_start=9,
-            shift=0,
-            logit_scale=1.0,
-            softcap=0.0,
-            smoothing=False,
-        )
+        slab_grad(torch.empty(10, 4, device=DEVICE), col_start=9)
     with pytest.raises(ValueError, match="targets"):
         chunk_softmax_grad(
             torch.zeros(3, 7, device=DEVICE),
