@@ -159,11 +159,13 @@ def _walk_to_head(loss: Node, start: Node) -> tuple[Node, _Walk] | Rejection:
     node = start
     transformed = False  # passed a scale / softcap (walking backwards): below is not z
     while True:
+        # z-level: the value is z at the loss rows. Before a scale / softcap it is not z, and
+        # before a row slice it has rows the op's lse does not cover.
+        if not transformed and not walk.seen_slice:
+            walk.z_level.append(node)
         if p.is_linear(node) or p.is_matmul(node):
             return node, walk
         walk.chain.append(node)
-        if not transformed:
-            walk.z_level.append(node)
         dtype = p.cast_dtype(node)
         if dtype is not None:
             if dtype != torch.float32:
@@ -268,8 +270,6 @@ def match_site(loss: Node) -> Site | Rejection:
 
     chain = list(reversed(walk.chain))
     z_level = set(walk.z_level)
-    if not walk.scale_factors and walk.softcap is None:
-        z_level.add(head)
     lse_users, side_nodes, escaping = _classify_users(
         head, chain, loss, options["log_softmax"], z_level
     )

@@ -198,12 +198,12 @@ def _shape_of(emit: _Emitter, node: Node) -> list[Any]:
     return [emit(aten.sym_size.int, node, i) for i in range(value.dim())]
 
 
-def _lse_shape(emit: _Emitter, user: Node, shape: str, site: Site, rows: Node) -> list[Any]:
+def _lse_shape(emit: _Emitter, user: Node, shape: Any, site: Site, rows: Node) -> list[Any]:
     """Sizes for the lse served to a logsumexp user, from nodes that outlive the logits."""
+    if isinstance(shape, list):  # the user's own sizes: ints and the graph's SymInt nodes
+        return shape
     if shape == "targets":
         return _shape_of(emit, site.targets)
-    if shape == "static":
-        return list(p.tensor_value(user).shape)
     if shape == "rows":
         value = p.tensor_value(rows)
         if not any(isinstance(s, torch.SymInt) for s in value.shape):

@@ -224,6 +224,43 @@ def test_z_loss_through_returned_lse():
     assert torch.logsumexp not in outcome.targets()
 
 
+def _z_loss_of_all_rows_with_shifted_ce(x, w, y):
+    logits = F.linear(x, w)
+    z = torch.logsumexp(logits, dim=-1)  # every row; the loss sees all but the last
+    return ce(logits[:, :-1], y[:, 1:]) + 1e-2 * z.pow(2).mean()
+
+
+def _z_loss_of_all_rows_with_flat_slice(x, w, y):
+    logits = F.linear(x.view(-1, D), w)
+    z = torch.logsumexp(logits, dim=-1)
+    return F.cross_entropy(logits[:-1], y.view(-1)[1:]) + 1e-2 * z.pow(2).mean()
+
+
+def _z_loss_on_a_reshaped_view(x, w, y):
+    logits = F.linear(x, w).view(T, B, V)  # the same rows, in another leading shape
+    z = torch.logsumexp(logits, dim=-1)
+    return ce(logits, y.view(T, B)) + 1e-2 * z[0].pow(2).sum()
+
+
+# The op's lse covers the loss rows only: a logsumexp over rows the loss slices away cannot
+# be served by it and keeps the logits (left alone); one over the loss rows in another shape
+# is served, reshaped.
+LSE_ROWS = {
+    "all-rows-shifted-ce": (_z_loss_of_all_rows_with_shifted_ce, 0),
+    "all-rows-flat-slice": (_z_loss_of_all_rows_with_flat_slice, 0),
+    "reshaped-view": (_z_loss_on_a_reshaped_view, 1),
+}
+
+
+@pytest.mark.parametrize("fn, rewritten", LSE_ROWS.values(), ids=LSE_ROWS.keys())
+def test_logsumexp_rows_must_be_the_loss_rows(fn, rewritten):
+    x, w, _, y = inputs()
+    outcome = check(fn, (x, w, y), backward_all=True)
+    assert outcome.rewritten == rewritten
+    if not rewritten:
+        assert outcome.skipped == {"logits_escape": 1}
+
+
 # --- autocast --------------------------------------------------------------------------------
 
 
