@@ -114,8 +114,6 @@ def _validate(
             raise ValueError("shift needs hidden with a time dimension (..., T, D)")
         if not 0 <= shift < hidden.shape[-2]:
             raise ValueError(f"shift must be in [0, T={hidden.shape[-2]}), got {shift}")
-    elif shift < 0:
-        raise ValueError(f"shift must be >= 0, got {shift}")
     if mode is not None and mode not in config.MODES:
         raise ValueError(f"mode must be one of {config.MODES} or None, got {mode!r}")
 

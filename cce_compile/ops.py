@@ -82,6 +82,10 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty(_EMPTY)
 
 
+def _empty_f32(like: Tensor) -> Tensor:
+    return like.new_empty(_EMPTY, dtype=torch.float32)
+
+
 def _row_shape(hidden: Tensor, shift: int) -> tuple:
     return (hidden.shape[0], hidden.shape[1] - shift)
 
@@ -134,8 +138,8 @@ def linear_cross_entropy(
     loss = out.loss.view(rows) if reduction == "none" else out.loss
     grads = (
         out.grad_hidden if out.grad_hidden is not None else _empty(hidden),
-        out.grad_classifier if out.grad_classifier is not None else _empty(classifier).float(),
-        out.grad_bias if out.grad_bias is not None else _empty(classifier).float(),
+        out.grad_classifier if out.grad_classifier is not None else _empty_f32(classifier),
+        out.grad_bias if out.grad_bias is not None else _empty_f32(classifier),
     )
     return loss, out.lse.view(rows), *grads
 
@@ -170,7 +174,7 @@ def _(
     grad_c = (
         classifier.new_empty(classifier.shape, dtype=f32)
         if fast and grad_classifier
-        else classifier.new_empty(_EMPTY, dtype=f32)
+        else _empty_f32(classifier)
     )
     has_bias_grad = fast and grad_bias and bias is not None
     grad_b = classifier.new_empty(bias.shape if has_bias_grad else _EMPTY, dtype=f32)

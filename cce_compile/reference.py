@@ -128,7 +128,6 @@ class _Accumulators:
     """float32 gradient accumulators for the parameters, and the hidden gradient."""
 
     def __init__(self, hidden, classifier, bias, needs: Needs):
-        self.needs = needs
         self.hidden = (
             torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
             if needs.hidden
@@ -186,7 +185,7 @@ def forward(
     lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
     target_logit = torch.empty_like(lse)
     wsum = torch.empty_like(lse) if spec.needs_wsum else None
-    acc = _Accumulators(hidden, classifier, bias, needs) if fast else None
+    acc = _Accumulators(hidden, classifier, bias, needs) if fast and needs.any else None
     unit = torch.ones((), device=hidden.device)
     for start, stop in _chunks(n_rows, chunk_rows(vocab, budget_bytes)):
         h32 = rows_io.read(start, stop).float()

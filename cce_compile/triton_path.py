@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .kernels.chunk_softmax_grad import chunk_softmax_grad
-from .kernels.common import RowLayout, TileConfig, row_layout
+from .kernels.common import RowLayout, TileConfig, check_operands, row_layout
 from .kernels.logit_grad import logit_grad
 from .kernels.lse_forward import lse_forward
 from .kernels.scale_cast import scale_cast
@@ -123,11 +123,12 @@ def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool
 
 
 def _hidden_grad(grad_positions: torch.Tensor, layout: RowLayout, hidden: torch.Tensor):
-    """(n_positions, D) gradient -> hidden's (B, T, D) gradient, zeros where no loss row."""
+    """(n_positions, D) gradient -> hidden's (B, T, D) gradient in hidden's dtype, zeros where
+    no loss row; one cast, no intermediate copy."""
     batch, time, dim = hidden.shape
     if layout.n_positions == batch * time:  # positions are exactly hidden's (b, t)
-        return grad_positions.view(batch, time, dim)
-    out = grad_positions.new_zeros((batch, time, dim))
+        return grad_positions.view(batch, time, dim).to(hidden.dtype)
+    out = hidden.new_zeros((batch, time, dim))
     out[:, : layout.rows_per_seq] = layout.row_grid(grad_positions)
     return out
 
@@ -197,18 +198,24 @@ def _forward_fast(hidden, classifier, bias, class_weights, spec, rows, needs, bu
     grad_positions = (
         torch.empty((n_positions, dim), dtype=hidden.dtype, device=device) if needs.hidden else None
     )
+    # Written, not accumulated, by the first chunk's GEMM (beta = 0): no zero fill.
     grad_classifier = (
-        torch.zeros((vocab, dim), dtype=torch.float32, device=device) if needs.classifier else None
+        torch.empty((vocab, dim), dtype=torch.float32, device=device) if needs.classifier else None
     )
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if needs.bias else None
-    stats = [torch.empty(n_positions, dtype=torch.float32, device=device) for _ in range(3)]
+    lse_positions = torch.empty(n_positions, dtype=torch.float32, device=device)
+    stats = (
+        lse_positions,
+        torch.empty_like(lse_positions),
+        torch.empty_like(lse_positions) if spec.needs_wsum else None,
+    )
     classifier_t = classifier.t()
     for start in range(0, n_positions, chunk):
         stop = min(start + chunk, n_positions)
         h = positions[start:stop]
         logits = logits_buf[: stop - start]
         _matmul(h, classifier_t, out=logits, bias=bias)
-        chunk_stats = chunk_softmax_grad(
+        chunk_softmax_grad(
             logits,
             targets[start:stop],
             class_weights,
@@ -219,19 +226,17 @@ def _forward_fast(hidden, classifier, bias, class_weights, spec, rows, needs, bu
             logit_scale=spec.logit_scale,
             softcap=spec.softcap,
             smoothing=spec.needs_wsum,
+            out=tuple(None if s is None else s[start:stop] for s in stats),
         )
-        for full, part in zip(stats, chunk_stats):
-            if part is not None:
-                full[start:stop] = part
         if grad_positions is not None:
             _matmul(logits, classifier, out=grad_positions[start:stop])
         if grad_classifier is not None:
             _addmm_f32_(grad_classifier, logits.t(), h, first=start == 0)
         if grad_bias is not None:
             grad_bias += logits.sum(0, dtype=torch.float32)
-    lse, target_logit, wsum = (layout.positions_to_rows(s) for s in stats)
-    loss = finish_loss(lse, target_logit, wsum if spec.needs_wsum else None, rows, spec, vocab)
-    out = ForwardOut(loss, lse.contiguous())
+    lse, target_logit, wsum = (None if s is None else layout.positions_to_rows(s) for s in stats)
+    loss = finish_loss(lse, target_logit, wsum, rows, spec, vocab)
+    out = ForwardOut(loss, lse)
     if grad_positions is not None:
         out.grad_hidden = _hidden_grad(grad_positions, layout, hidden)
     out.grad_classifier, out.grad_bias = grad_classifier, grad_bias
@@ -269,6 +274,10 @@ def backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     vocab, dim = classifier.shape
     device = hidden.device
+    # Once here rather than in every slab's launch: the contiguous copies it may make.
+    bias, class_weights, classifier = check_operands(
+        hidden, classifier, targets, bias, class_weights, spec.shift
+    )
     rows = row_targets(targets, class_weights, spec, vocab)
     layout = row_layout(hidden, spec.shift)
     coefs = tuple(
@@ -327,5 +336,5 @@ def backward(
             grad_bias[start:stop] = slab.sum(0, dtype=torch.float32)
     grad_hidden = None
     if grad_positions is not None:
-        grad_hidden = _hidden_grad(grad_positions.to(hidden.dtype), layout, hidden)
+        grad_hidden = _hidden_grad(grad_positions, layout, hidden)
     return grad_hidden, grad_classifier, grad_bias

@@ -115,13 +115,16 @@ def chunk_softmax_grad(
     logit_scale: float,
     softcap: float,
     smoothing: bool,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     block: int = 4096,
     num_warps: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Overwrite ``logits`` (n, V) with their gradient; return lse, target logit, wsum (n,).
 
     ``targets`` (n,) int64 must be valid class indices (clamp ignored rows: their coefficients
-    are 0); the coefficient vectors are float32 (n,).
+    are 0); the coefficient vectors are float32 (n,). ``out``: contiguous float32 (n,)
+    buffers to write lse, target logit and wsum into (wsum None without smoothing), so that
+    a caller filling a longer vector chunk by chunk needs no copies.
     """
     n_rows, vocab = logits.shape
     if logits.stride(1) != 1:
@@ -136,10 +139,17 @@ def chunk_softmax_grad(
     for name, t in vectors.items():
         if t.shape != (n_rows,) or t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous float32 ({n_rows},)")
-    device = logits.device
-    lse = torch.empty(n_rows, dtype=torch.float32, device=device)
-    target_logit = torch.empty_like(lse)
-    wsum = torch.empty_like(lse) if smoothing else None
+    if out is None:
+        lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+        out = (lse, torch.empty_like(lse), torch.empty_like(lse) if smoothing else None)
+    lse, target_logit, wsum = out
+    for name, t in zip(("lse", "target_logit", "wsum"), out):
+        if t is not None and (
+            t.shape != (n_rows,) or t.dtype != torch.float32 or not t.is_contiguous()
+        ):
+            raise ValueError(f"out {name} must be contiguous float32 ({n_rows},)")
+    if smoothing and wsum is None:
+        raise ValueError("out needs a wsum buffer with smoothing")
     if n_rows == 0:
         return lse, target_logit, wsum
     block = min(block, triton.next_power_of_2(vocab))

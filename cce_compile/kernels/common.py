@@ -88,6 +88,30 @@ def row_layout(hidden: torch.Tensor, shift: int) -> RowLayout:
     )
 
 
+def check_operands(hidden, classifier, targets, bias, class_weights, shift):
+    """Shapes shared by the GEMM kernels; returns (bias, class_weights, classifier) made
+    contiguous where the kernels need unit strides (vectors, and a transposed classifier)."""
+    batch, time, dim = hidden.shape
+    vocab = classifier.shape[0]
+    if classifier.shape != (vocab, dim):
+        raise ValueError(f"classifier shape {tuple(classifier.shape)} != ({vocab}, {dim})")
+    if targets.shape != (batch, time):
+        raise ValueError(f"targets shape {tuple(targets.shape)} != ({batch}, {time})")
+    if bias is not None and bias.shape != (vocab,):
+        raise ValueError(f"bias shape {tuple(bias.shape)} != ({vocab},)")
+    if class_weights is not None and class_weights.shape != (vocab,):
+        raise ValueError(f"class_weights shape {tuple(class_weights.shape)} != ({vocab},)")
+    if not 0 <= shift < time:
+        raise ValueError(f"shift {shift} outside [0, {time})")
+    if classifier.stride(1) != 1:
+        classifier = classifier.contiguous()
+    return (
+        None if bias is None else bias.contiguous(),
+        None if class_weights is None else class_weights.contiguous(),
+        classifier,
+    )
+
+
 def tma_ok(tensor: torch.Tensor, row_stride: int) -> bool:
     """Can a 2-D TMA descriptor with this row stride address ``tensor``'s rows?"""
     elem = tensor.element_size()

@@ -22,6 +22,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .common import (
     TileConfig,
     capped_logits_tile,
+    check_operands,
     gemm_launch_options,
     grouped_tile,
     launch_grid,
@@ -30,7 +31,6 @@ from .common import (
     tile_rows,
     tma_ok,
 )
-from .lse_forward import check_operands
 
 
 @triton.jit

@@ -21,6 +21,7 @@ import triton.language as tl
 from .common import (
     TileConfig,
     capped_logits_tile,
+    check_operands,
     gemm_launch_options,
     grouped_tile,
     launch_grid,
@@ -142,30 +143,6 @@ def _lse_forward_kernel(
     tl.store(partial_lse + out_off, run_max + tl.log(run_sum), mask=valid)
     if NEEDS_WSUM:
         tl.store(partial_wsum + out_off, run_wsum, mask=valid)
-
-
-def check_operands(hidden, classifier, targets, bias, class_weights, shift):
-    """Shapes shared by the GEMM kernels; returns (bias, class_weights, classifier) made
-    contiguous where the kernels need unit strides (vectors, and a transposed classifier)."""
-    batch, time, dim = hidden.shape
-    vocab = classifier.shape[0]
-    if classifier.shape != (vocab, dim):
-        raise ValueError(f"classifier shape {tuple(classifier.shape)} != ({vocab}, {dim})")
-    if targets.shape != (batch, time):
-        raise ValueError(f"targets shape {tuple(targets.shape)} != ({batch}, {time})")
-    if bias is not None and bias.shape != (vocab,):
-        raise ValueError(f"bias shape {tuple(bias.shape)} != ({vocab},)")
-    if class_weights is not None and class_weights.shape != (vocab,):
-        raise ValueError(f"class_weights shape {tuple(class_weights.shape)} != ({vocab},)")
-    if not 0 <= shift < time:
-        raise ValueError(f"shift {shift} outside [0, {time})")
-    if classifier.stride(1) != 1:
-        classifier = classifier.contiguous()
-    return (
-        None if bias is None else bias.contiguous(),
-        None if class_weights is None else class_weights.contiguous(),
-        classifier,
-    )
 
 
 def lse_forward(
