@@ -21,11 +21,10 @@ from torch.fx import Graph, GraphModule
 from .. import config
 from ..ops import IMPLEMENTATION_VERSION
 from . import report
-from .matching import Rejection, Site, find_sites
+from .matching import DISABLED, DISABLED_DETAIL, Rejection, Site, find_sites
 from .rewrite import OP, rewrite_site
 
 log = logging.getLogger("cce_compile")
-DISABLED = "disabled"
 
 
 @functools.cache
@@ -49,14 +48,14 @@ def run_pass(graph: Graph) -> list[report.SiteReport]:
     settings = config.get()
     reports = []
     for found in find_sites(graph):
-        if isinstance(found, Site) and not settings.disable:
+        if isinstance(found, Site) and settings.disable:
+            log.debug("cce_compile: not rewriting %s: disabled", found.loss.name)
+            found = Rejection(found.loss, DISABLED, DISABLED_DETAIL)
+        if isinstance(found, Site):
             described = report.describe(found, rewritten=True)
             rewrite_site(graph, found)
             counters["cce_compile"]["rewritten"] += 1
         else:
-            if isinstance(found, Site):
-                found = Rejection(found.loss, DISABLED, "CCE_DISABLE is set")
-                log.debug("cce_compile: not rewriting %s: disabled", found.loss.name)
             described = report.describe(found, rewritten=False)
             counters["cce_compile"][f"skipped:{found.reason}"] += 1
         reports.append(described)

@@ -51,20 +51,22 @@ def enabled() -> bool:
     return any(is_cce_pass(p) for p in _flatten(inductor_config.pre_grad_custom_pass))
 
 
-def enable() -> None:
-    """Install the pass for every ``torch.compile`` that uses Inductor (idempotent)."""
-    passes = _flatten(inductor_config.pre_grad_custom_pass)
-    if any(is_cce_pass(p) for p in passes):
-        return
-    inductor_config.pre_grad_custom_pass = _PASS if not passes else ChainedPass([*passes, _PASS])
-
-
-def disable() -> None:
-    """Remove the pass, leaving any other installed pass in place."""
-    passes = [p for p in _flatten(inductor_config.pre_grad_custom_pass) if not is_cce_pass(p)]
+def _install(passes: list[Any]) -> None:
+    """Put ``passes`` on the hook: none, the one, or a chain of them in order."""
     if not passes:
         inductor_config.pre_grad_custom_pass = None
     elif len(passes) == 1:
         inductor_config.pre_grad_custom_pass = passes[0]
     else:
         inductor_config.pre_grad_custom_pass = ChainedPass(passes)
+
+
+def enable() -> None:
+    """Install the pass for every ``torch.compile`` that uses Inductor (idempotent)."""
+    if not enabled():
+        _install([*_flatten(inductor_config.pre_grad_custom_pass), _PASS])
+
+
+def disable() -> None:
+    """Remove the pass, leaving any other installed pass in place."""
+    _install([p for p in _flatten(inductor_config.pre_grad_custom_pass) if not is_cce_pass(p)])

@@ -31,6 +31,8 @@ UNSUPPORTED_OP = "unsupported_op_in_chain"
 UNSUPPORTED_OPTION = "unsupported_option"
 DTENSOR = "dtensor_weights"
 NO_HEAD = "no_linear_head"
+DISABLED = "disabled"  # a match that CCE_DISABLE keeps from being rewritten
+DISABLED_DETAIL = "CCE_DISABLE is set"
 
 
 @dataclasses.dataclass
@@ -58,7 +60,6 @@ class Site:
     lse_users: list[Node]  # logsumexp nodes the op's lse can serve (z-loss)
     lse_shapes: list[Any]  # per lse user: "targets", "rows" (at hidden), "flat", or sizes
     lse_side_nodes: list[Node]  # casts between the chain and a served logsumexp
-    escaping: list[Node]  # chain nodes used outside the chain (kept, under the policy)
 
     @property
     def rows(self) -> Any:
@@ -149,7 +150,6 @@ class _Walk:
     row_indices: list[Any] = dataclasses.field(default_factory=list)  # reversed
     scale_factors: list[tuple[Any, bool]] = dataclasses.field(default_factory=list)
     softcap: Any = None
-    seen_slice: bool = False
     z_level: list[Node] = dataclasses.field(default_factory=list)  # nodes whose value is z
 
 
@@ -157,11 +157,11 @@ def _walk_to_head(loss: Node, start: Node) -> tuple[Node, _Walk] | Rejection:
     """Follow the chain from the loss input back to the head."""
     walk = _Walk()
     node = start
-    transformed = False  # passed a scale / softcap (walking backwards): below is not z
     while True:
         # z-level: the value is z at the loss rows. Before a scale / softcap it is not z, and
         # before a row slice it has rows the op's lse does not cover.
-        if not transformed and not walk.seen_slice:
+        transformed = walk.scale_factors or walk.softcap is not None
+        if not transformed and not walk.row_indices:
             walk.z_level.append(node)
         if p.is_linear(node) or p.is_matmul(node):
             return node, walk
@@ -176,13 +176,12 @@ def _walk_to_head(loss: Node, start: Node) -> tuple[Node, _Walk] | Rejection:
             node = node.args[0]
             continue
         if p.is_row_view(node):
-            if walk.seen_slice:  # forward order: a reshape, then a row slice of its rows
+            if walk.row_indices:  # forward order: a reshape, then a row slice of its rows
                 return _reject(loss, UNSUPPORTED_OP, f"{node.name}: rows sliced after a reshape")
             node = node.args[0]
             continue
         index = p.row_index(node)
         if index is not None:
-            walk.seen_slice = True
             walk.row_indices.append(index)
             node = node.args[0]
             continue
@@ -194,14 +193,12 @@ def _walk_to_head(loss: Node, start: Node) -> tuple[Node, _Walk] | Rejection:
                 return _reject(loss, UNSUPPORTED_OP, "logits scaled after the softcap")
             inner, walk.softcap, tanh_nodes = capped
             walk.chain.extend(tanh_nodes)
-            transformed = True
             node = inner
             continue
         scaled = p.is_scale(node)
         if scaled is not None:
             tensor, factor, divides = scaled
             walk.scale_factors.append((factor, divides))
-            transformed = True
             node = tensor
             continue
         if isinstance(node, Node) and node.op == "placeholder":
@@ -314,7 +311,6 @@ def match_site(loss: Node) -> Site | Rejection:
         lse_users=lse_users,
         lse_shapes=lse_shapes,
         lse_side_nodes=side_nodes,
-        escaping=escaping,
     )
 
 

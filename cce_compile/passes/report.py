@@ -13,16 +13,18 @@ from collections.abc import Iterator
 
 import torch
 
+from .. import config
 from . import predicates as p
+from .matching import DISABLED, DISABLED_DETAIL, DTENSOR, ESCAPES, GRAPH_BREAK, Site, find_sites
 
 _FIX = {
-    "logits_escape": "compile the step that computes the loss from the model's outputs so the "
+    ESCAPES: "compile the step that computes the loss from the model's outputs so the "
     "logits die inside the graph (e.g. `lambda x, y: model(x, labels=y).loss`), or set "
     "CCE_ESCAPING_LOGITS=rewrite to fuse the loss and keep the logits",
-    "logits_from_graph_input": "remove the graph break between lm_head and the loss "
+    GRAPH_BREAK: "remove the graph break between lm_head and the loss "
     "(TORCH_LOGS=graph_breaks shows where it is)",
-    "dtensor_weights": "distributed (DTensor) weights are not supported yet",
-    "disabled": "unset CCE_DISABLE",
+    DTENSOR: "distributed (DTensor) weights are not supported yet",
+    DISABLED: "unset CCE_DISABLE",
 }
 
 
@@ -89,8 +91,6 @@ def _location(node) -> str:
 
 def describe(found, rewritten: bool) -> SiteReport:
     """A SiteReport for a Site or a Rejection."""
-    from .matching import Site
-
     result = SiteReport(found.loss.name, _location(found.loss), rewritten)
     if not rewritten:
         result.reason, result.detail = found.reason, found.detail
@@ -129,9 +129,6 @@ def explain(fn_or_model, *args, **kwargs) -> Report:
 
     The call runs once, eagerly through Dynamo (nothing is rewritten or compiled by Inductor).
     """
-    from .. import config
-    from .matching import Site, find_sites
-
     disabled = config.get().disable
     sites: list[SiteReport] = []
     graphs = 0
@@ -145,7 +142,7 @@ def explain(fn_or_model, *args, **kwargs) -> Report:
                     would_rewrite = isinstance(found, Site) and not disabled
                     if isinstance(found, Site) and disabled:
                         result = describe(found, rewritten=False)
-                        result.reason, result.detail = "disabled", "CCE_DISABLE is set"
+                        result.reason, result.detail = DISABLED, DISABLED_DETAIL
                         sites.append(result)
                     else:
                         sites.append(describe(found, rewritten=would_rewrite))
