@@ -89,25 +89,23 @@ def compile_report(kernel, constexprs, num_warps, num_stages):
         target=GPUTarget("cuda", 90, 128),
         options={"num_warps": num_warps, "num_stages": num_stages},
     )
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-        sass = subprocess.run(
-            [os.path.join(tools, "cuobjdump"), "-sass", f.name], capture_output=True, text=True
-        ).stdout
+
+        def cuobjdump(flag: str) -> str:
+            command = [os.path.join(tools, "cuobjdump"), flag, f.name]
+            return subprocess.run(command, capture_output=True, text=True).stdout
+
+        sass = cuobjdump("-sass")
+        # Registers and spills as ptxas reports them in the cubin's resource usage.
+        usage = cuobjdump("-res-usage")
     counts = {
         op: len(re.findall(rf"\b{op}\b", sass))
         for op in ("HGMMA", "HMMA", "LDL", "STL", "LDGSTS", "UTMALDG", "MUFU.EX2", "BAR.SYNC")
     }
     ptx = compiled.asm["ptx"]
-    # Registers and spills as ptxas reports them in the cubin's resource usage.
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run(
-            [os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True
-        ).stdout
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
     return {

@@ -10,10 +10,10 @@ mode's chunk budget. Times are medians of CUDA-event timings, relative to the ba
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import pathlib
 import sys
+from unittest.mock import patch
 
 import torch
 
@@ -43,17 +43,6 @@ CANDIDATES = [
 ]
 
 
-@contextlib.contextmanager
-def patched(module, name, value):
-    """module.name = value inside the block, restored after it even on error."""
-    previous = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, previous)
-
-
 def tune_shape(name, reps, candidates=CANDIDATES, sweeps=True):
     n, d, v = SHAPES[name]
     hidden, classifier, targets = make_inputs(n, d, v)
@@ -80,7 +69,7 @@ def tune_shape(name, reps, candidates=CANDIDATES, sweeps=True):
             f"-t{cfg.tiles_per_program}"
         )
         try:
-            with patched(triton_path, "_tile_config", lambda *args, cfg=cfg, **kwargs: cfg):
+            with patch.object(triton_path, "_tile_config", lambda *args, cfg=cfg, **kwargs: cfg):
                 fwd, _ = cuda_time_ms(lean_forward, reps, 2)
                 lean, _ = cuda_time_ms(lambda: step("lean"), max(3, reps // 2), 1)
             record(key, {"fwd_x_matmul": fwd / matmul, "lean_x_floor": lean / matmul / 3})
@@ -89,13 +78,13 @@ def tune_shape(name, reps, candidates=CANDIDATES, sweeps=True):
     if not sweeps:
         return rows
     for slab_mb in (32, 64, 128, 512):
-        with patched(triton_path, "SLAB_BYTES", slab_mb * 2**20):
+        with patch.object(triton_path, "SLAB_BYTES", slab_mb * 2**20):
             lean, _ = cuda_time_ms(lambda: step("lean"), max(3, reps // 2), 1)
         record(f"slab_{slab_mb}MB", {"lean_x_floor": lean / matmul / 3})
     for chunk_rows in (1024, 2048, 4096, 8192):
         # A budget far above any chunk, so that the row count alone sizes the chunks.
         with (
-            patched(policy, "FAST_CHUNK_ROWS", chunk_rows),
+            patch.object(policy, "FAST_CHUNK_ROWS", chunk_rows),
             config.override(memory_budget_mb=64 * 1024),
         ):
             torch.cuda.reset_peak_memory_stats()

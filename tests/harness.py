@@ -85,14 +85,6 @@ def _grad_leaves(fn, args) -> list[torch.Tensor]:
     return leaves
 
 
-def _first_tensor(out):
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)):
-        return next(_first_tensor(o) for o in out if _first_tensor(o) is not None)
-    return getattr(out, "loss", None)
-
-
 def _outputs(out) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out]
@@ -107,7 +99,7 @@ def run_and_grad(fn, args, leaves, backward_all=False):
     if backward_all:
         total = sum(o.float().sum() for o in outputs if o.requires_grad)
     else:
-        total = _first_tensor(out).float().sum()
+        total = outputs[0].float().sum()  # the loss: the first output
     grads = torch.autograd.grad(total, leaves, allow_unused=True) if leaves else []
     return [o.detach() for o in outputs], grads
 

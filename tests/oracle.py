@@ -66,13 +66,17 @@ def oracle_logits(hidden, classifier, bias, softcap, logit_scale):
     return logits
 
 
+def _loss_rows(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden and targets of the loss rows: position t predicts target t + shift."""
+    if not case.shift:
+        return case.hidden, case.targets
+    time = case.hidden.shape[-2]
+    return case.hidden[..., : time - case.shift, :], case.targets[..., case.shift :]
+
+
 def oracle(case: Case, return_lse: bool = False):
     """Loss (and lse) in float64 from the case's tensors, differentiable w.r.t. them."""
-    hidden, targets = case.hidden, case.targets
-    if case.shift:
-        time = hidden.shape[-2]
-        hidden = hidden[..., : time - case.shift, :]
-        targets = targets[..., case.shift :]
+    hidden, targets = _loss_rows(case)
     logits = oracle_logits(hidden, case.classifier, case.bias, case.softcap, case.logit_scale)
     vocab = case.classifier.shape[0]
     flat = logits.reshape(-1, vocab)
@@ -135,18 +139,14 @@ def gradient_scale(case: Case, upstream_loss: torch.Tensor, upstream_lse, leaves
     *sum* of the terms' sizes, softmax plus onehot, which is this. ``a_i`` is the upstream
     gradient of row i's loss (divided by the row count for 'mean'), ``g_i`` that of its lse.
     """
-    uncapped = dataclasses.replace(case, softcap=None)
-    _, lse = oracle(uncapped, return_lse=True)
-    targets = case.targets[..., case.shift :] if case.shift else case.targets
+    hidden, targets = _loss_rows(case)
+    logits = oracle_logits(hidden, case.classifier, case.bias, None, case.logit_scale)
+    lse = torch.logsumexp(logits, dim=-1)
     factor = upstream_loss.abs().expand_as(lse)
     if case.reduction == "mean":
         factor = factor / max(int((targets != case.ignore_index).sum()), 1)
     if upstream_lse is not None:
         factor = factor + upstream_lse.abs()
-    hidden = (
-        case.hidden[..., : case.hidden.shape[-2] - case.shift, :] if case.shift else case.hidden
-    )
-    logits = oracle_logits(hidden, case.classifier, case.bias, None, case.logit_scale)
     vocab = case.classifier.shape[0]
     in_range = (targets >= 0) & (targets < vocab)
     target_logit = torch.where(
@@ -164,12 +164,9 @@ def loss_scale(case: Case) -> float:
     get it to an absolute error relative to the terms: the natural floor for its error.
     """
     with torch.no_grad():
-        _, lse = oracle(case, return_lse=True)
-        hidden = (
-            case.hidden[..., : case.hidden.shape[-2] - case.shift, :] if case.shift else case.hidden
-        )
-        targets = case.targets[..., case.shift :] if case.shift else case.targets
+        hidden, targets = _loss_rows(case)
         logits = oracle_logits(hidden, case.classifier, case.bias, case.softcap, case.logit_scale)
+        lse = torch.logsumexp(logits, dim=-1)
         vocab = case.classifier.shape[0]
         valid = (targets != case.ignore_index) & (targets >= 0) & (targets < vocab)
         picked = logits.gather(-1, targets.clamp(0, vocab - 1).long()[..., None])[..., 0]

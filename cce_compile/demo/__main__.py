@@ -134,7 +134,7 @@ def _run(args: argparse.Namespace) -> int:
         f"Corpus: the standard library of Python {sys.version.split()[0]} "
         f"({len(corpus.stdlib_files())} files), vocabulary {model_cfg.vocab:,}"
     )
-    tokenizer, ids = corpus.load(model_cfg.vocab, args.cache_dir, args.corpus_bytes)
+    _, ids = corpus.load(model_cfg.vocab, args.cache_dir, args.corpus_bytes)
     print(f"  {ids.numel():,} tokens (cached in {args.cache_dir})")
     print(
         f"Model: {args.arch.upper()} dim {model_cfg.dim}, {model_cfg.layers} layers, context "
@@ -161,7 +161,8 @@ def _run(args: argparse.Namespace) -> int:
                     ),
                 )
     tokens_per_step = cfg.batch * model_cfg.context
-    logits_mib = tokens_per_step * model_cfg.vocab * (2 if device == "cuda" else 4) / 2**20
+    logits_dtype = cfg.autocast_dtype or torch.float32
+    logits_mib = tokens_per_step * model_cfg.vocab * logits_dtype.itemsize / 2**20
     print()
     print(report.table(baseline, fused, logits_mib if fused.rewritten_sites else None))
     meta = {

@@ -9,6 +9,7 @@ is deterministic (sorted files, frequency then lexical order) and cached on disk
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import pathlib
 import re
@@ -21,10 +22,12 @@ BYTE_TOKENS = 256
 _TOKEN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+| +|\n|\t|[^\sA-Za-z0-9_]|[^\S\n\t ]")
 
 
-def stdlib_files() -> list[pathlib.Path]:
-    """The interpreter's standard-library .py files, sorted (no site-packages)."""
+@functools.cache
+def stdlib_files() -> tuple[pathlib.Path, ...]:
+    """The interpreter's standard-library .py files, sorted (no site-packages); walked once
+    per process (the banner, the cache key and the corpus all list them)."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    return tuple(sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts))
 
 
 def read_corpus(max_bytes: int | None = None) -> str:

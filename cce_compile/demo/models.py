@@ -155,9 +155,6 @@ class LanguageModel(nn.Module):
         """The same step without the loss layer: what the rest of the model costs."""
         return self.hidden(idx).float().square().mean()
 
-    def parameter_count(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
 
 class GPT(LanguageModel):
     mixer = CausalSelfAttention

@@ -8,8 +8,8 @@ import pathlib
 from .train import RunResult
 
 
-def _fmt(value, spec: str, missing: str = "n/a") -> str:
-    return missing if value is None else format(value, spec)
+def _fmt(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def table(baseline: RunResult, fused: RunResult, logits_mib: float | None) -> str:

@@ -228,9 +228,7 @@ def max_batch(
 
     def fits(batch: int) -> float | None:
         try:
-            ms, _ = _measure(
-                model, cfg, use_cce, "forward", batch=batch, steps=5, dynamic_batch=True
-            )
+            ms, _ = _measure(model, cfg, use_cce, "forward", batch=batch, dynamic_batch=True)
             rate = batch * cfg.model.context / (ms / 1000)
         except torch.OutOfMemoryError:
             model.zero_grad(set_to_none=True)
