@@ -107,6 +107,11 @@ def row_targets(
     )
 
 
+def returned_lse(lse: torch.Tensor, rows: RowTargets, lse_all_rows: bool) -> torch.Tensor:
+    """The lse the op returns: every row's with ``lse_all_rows``, else 0 at ignored rows."""
+    return lse if lse_all_rows else torch.where(rows.valid, lse, 0.0)
+
+
 def finish_loss(
     lse: torch.Tensor,
     target_logit: torch.Tensor,

@@ -15,7 +15,14 @@ from collections.abc import Iterator
 
 import torch
 
-from .loss_math import LossSpec, RowTargets, finish_loss, row_coefficients, row_targets
+from .loss_math import (
+    LossSpec,
+    RowTargets,
+    finish_loss,
+    returned_lse,
+    row_coefficients,
+    row_targets,
+)
 
 # Temporaries of one chunk, in float32 values per logit: y, z, and the gradient.
 _LOGIT_TEMPORARIES = 3
@@ -202,9 +209,7 @@ def forward(
             acc.add(rows_io, start, stop, grad, h32, c32)
         del z
     loss = finish_loss(lse, target_logit, wsum, rows, spec, vocab)
-    if not lse_all_rows:
-        lse = torch.where(rows.valid, lse, 0.0)
-    out = ForwardOut(loss, lse)
+    out = ForwardOut(loss, returned_lse(lse, rows, lse_all_rows))
     if acc is not None:
         out.grad_hidden, out.grad_classifier, out.grad_bias = acc.hidden, acc.classifier, acc.bias
     return out

@@ -26,7 +26,14 @@ from .kernels.common import RowLayout, TileConfig, check_operands, row_layout
 from .kernels.logit_grad import logit_grad
 from .kernels.lse_forward import lse_forward
 from .kernels.scale_cast import scale_cast
-from .loss_math import LossSpec, finish_loss, row_coefficient_parts, row_coefficients, row_targets
+from .loss_math import (
+    LossSpec,
+    finish_loss,
+    returned_lse,
+    row_coefficient_parts,
+    row_coefficients,
+    row_targets,
+)
 from .policy import fast_chunk_rows
 from .reference import ForwardOut, Needs
 
@@ -152,8 +159,7 @@ def forward(
         out = _forward_fast(
             hidden, classifier, bias, class_weights, spec, rows, needs, budget_bytes
         )
-        if not lse_all_rows:
-            out.lse = torch.where(rows.valid, out.lse, 0.0)
+        out.lse = returned_lse(out.lse, rows, lse_all_rows)
         return out
     partial_lse, target_logit, partial_wsum = lse_forward(
         hidden,
@@ -174,9 +180,7 @@ def forward(
     lse = torch.logsumexp(partial_lse, dim=0)
     wsum = partial_wsum.sum(0) if partial_wsum is not None else None
     loss = finish_loss(lse, target_logit, wsum, rows, spec, vocab)
-    if not lse_all_rows:
-        lse = torch.where(rows.valid, lse, 0.0)
-    return ForwardOut(loss, lse)
+    return ForwardOut(loss, returned_lse(lse, rows, lse_all_rows))
 
 
 def _forward_fast(hidden, classifier, bias, class_weights, spec, rows, needs, budget_bytes):
