@@ -20,23 +20,28 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+def _rewrite(default: object):
+    """A setting that changes what the graph pass emits: part of its cache key."""
+    return dataclasses.field(default=default, metadata={"rewrite": True})
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """What changes how the op computes and what the graph pass rewrites."""
 
     auto_enable: bool = False
     """CCE_COMPILE: install the graph pass for plain torch.compile at `import torch`."""
-    mode: str = "auto"
+    mode: str = _rewrite("auto")
     """CCE_MODE: 'lean' (recompute in backward), 'fast' (gradients during forward), 'auto'."""
-    memory_budget_mb: int = 4096
+    memory_budget_mb: int = _rewrite(4096)
     """CCE_MEMORY_BUDGET_MB: extra memory the loss may use: fast mode's accumulator and chunk,
     the CPU path's chunk, and auto's limit for choosing fast mode."""
-    escaping_logits: str = "keep"
+    escaping_logits: str = _rewrite("keep")
     """CCE_ESCAPING_LOGITS: 'keep' leaves a site whose logits escape alone; 'rewrite' fuses
     the loss anyway and keeps the escaping logits (and their gradient path) intact."""
     check_targets: bool = False
     """CCE_CHECK_TARGETS: on GPU, raise on targets outside [0, V) (costs a host sync)."""
-    disable: bool = False
+    disable: bool = _rewrite(False)
     """CCE_DISABLE: the graph pass rewrites nothing (sites are still reported)."""
 
     def __post_init__(self) -> None:
@@ -50,8 +55,12 @@ class Settings:
             raise ValueError(f"memory_budget_mb must be >= 1, got {self.memory_budget_mb}")
 
     def rewrite_key(self) -> str:
-        """The settings that change what the graph pass emits (part of the pass's uuid)."""
-        return f"mode={self.mode};escape={self.escaping_logits};disable={self.disable}"
+        """Every setting that changes what the graph pass emits (part of the pass's uuid)."""
+        return ";".join(
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if f.metadata.get("rewrite")
+        )
 
 
 def _parse_bool(name: str, raw: str) -> bool:

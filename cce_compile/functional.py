@@ -1,19 +1,31 @@
-"""The public function: ``cce_compile.linear_cross_entropy``."""
+"""The public function: ``cce_compile.linear_cross_entropy``.
+
+It validates its arguments, applies an enclosing autocast region's cast to the head's inputs (as
+``F.linear`` would), and calls the op. Where the op's autograd formula cannot serve the call it
+takes ``torch_path.differentiable_loss`` instead — the same math under PyTorch's own autograd —
+and says so once: forward-mode AD, functorch transforms (``torch.func.grad``, ``jvp``,
+``jacrev``, ``vmap``...) and a ``logit_scale`` or ``softcap`` tensor that requires grad.
+"""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from torch import Tensor
 
-from . import config
-from . import ops as _ops  # noqa: F401  (registers torch.ops.cce)
-from .loss_math import REDUCTIONS
+from . import config, execution, torch_path
+from . import ops as _ops  # registers torch.ops.cce
+from .loss_math import REDUCTIONS, LossSpec
+from .op_signature import FORWARD
 from .policy import choose_mode
+
+log = logging.getLogger("cce_compile")
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TARGET_DTYPES = (torch.int64, torch.int32)
+_warned: set[str] = set()
 
 
 def _finite(value: float) -> bool:
@@ -27,35 +39,22 @@ def _require_tensor(name: str, value: object) -> Tensor:
     return value
 
 
-def _validate(
-    hidden,
-    classifier,
-    targets,
-    bias,
-    ignore_index,
-    reduction,
-    label_smoothing,
-    class_weights,
-    softcap,
-    logit_scale,
-    shift,
-    z_loss,
-    mode,
-) -> None:
-    """Raise a TypeError/ValueError that names the offending argument."""
+def _require_float(name: str, value: Tensor) -> None:
+    if value.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {value.dtype}")
+
+
+def _validate_tensors(hidden, classifier, targets, bias, class_weights) -> None:
+    """Types and shapes; dtypes must agree only after autocast (``_validate_dtypes``)."""
     _require_tensor("hidden", hidden)
     _require_tensor("classifier", classifier)
     _require_tensor("targets", targets)
-    if hidden.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
+    _require_float("hidden", hidden)
     if hidden.dim() < 1:
         raise ValueError("hidden must have at least one dimension (..., D)")
     if classifier.dim() != 2:
         raise ValueError(f"classifier must be 2-D (V, D), got shape {tuple(classifier.shape)}")
-    if classifier.dtype != hidden.dtype:
-        raise TypeError(
-            f"classifier dtype {classifier.dtype} must match hidden dtype {hidden.dtype}"
-        )
+    _require_float("classifier", classifier)
     if classifier.shape[1] != hidden.shape[-1]:
         raise ValueError(
             f"classifier has D={classifier.shape[1]} but hidden has D={hidden.shape[-1]} "
@@ -80,8 +79,7 @@ def _validate(
         _require_tensor("bias", bias)
         if tuple(bias.shape) != (vocab,):
             raise ValueError(f"bias must have shape ({vocab},), got {tuple(bias.shape)}")
-        if bias.dtype != hidden.dtype:
-            raise TypeError(f"bias dtype {bias.dtype} must match hidden dtype {hidden.dtype}")
+        _require_float("bias", bias)
     if class_weights is not None:
         _require_tensor("class_weights", class_weights)
         if tuple(class_weights.shape) != (vocab,):
@@ -95,15 +93,35 @@ def _validate(
     }
     if len(devices) > 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def _validate_dtypes(hidden, classifier, bias) -> None:
+    if classifier.dtype != hidden.dtype:
+        raise TypeError(
+            f"classifier dtype {classifier.dtype} must match hidden dtype {hidden.dtype} "
+            "(or run under autocast, which casts both)"
+        )
+    if bias is not None and bias.dtype != hidden.dtype:
+        raise TypeError(f"bias dtype {bias.dtype} must match hidden dtype {hidden.dtype}")
+
+
+def _validate_options(
+    hidden, ignore_index, reduction, label_smoothing, softcap, logit_scale, shift, z_loss, mode
+) -> None:
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if softcap is not None and not (_finite(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap}")
-    if not _finite(logit_scale):
+    if isinstance(softcap, Tensor) or isinstance(logit_scale, Tensor):
+        for name, value in (("softcap", softcap), ("logit_scale", logit_scale)):
+            if isinstance(value, Tensor) and (value.numel() != 1 or value.is_complex()):
+                raise ValueError(f"{name} as a tensor must hold one real number")
+    if not isinstance(softcap, Tensor) and softcap is not None:
+        if not (_finite(softcap) and softcap > 0):
+            raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap}")
+    if not isinstance(logit_scale, Tensor) and not _finite(logit_scale):
         raise ValueError(f"logit_scale must be finite, got {logit_scale}")
     if not (_finite(z_loss) and z_loss >= 0):
         raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
@@ -118,6 +136,49 @@ def _validate(
         raise ValueError(f"mode must be one of {config.MODES} or None, got {mode!r}")
 
 
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype an enclosing autocast region gives ``F.linear`` on ``device``, or None."""
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
+def _as_number(name: str, value):
+    """A tensor that needs no gradient is read as a number (a host sync on a GPU)."""
+    if isinstance(value, Tensor):
+        value = float(value.detach())
+        if name == "softcap" and not (_finite(value) and value > 0):
+            raise ValueError(f"softcap must be a finite number > 0 or None, got {value}")
+        if name == "logit_scale" and not _finite(value):
+            raise ValueError(f"logit_scale must be finite, got {value}")
+    return value
+
+
+def _autograd_route(tensors, logit_scale, softcap) -> str | None:
+    """Why the op's own autograd formula cannot serve this call, or None if it can."""
+    grad_on = torch.is_grad_enabled()
+    if any(isinstance(v, Tensor) and v.requires_grad and grad_on for v in (logit_scale, softcap)):
+        return "a logit_scale or softcap tensor that requires grad"
+    if torch.compiler.is_compiling():  # Dynamo traces transforms by its own means
+        return None
+    present = [t for t in (*tensors, logit_scale, softcap) if isinstance(t, Tensor)]
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in present):
+        return "a functorch transform (torch.func.grad / jvp / vjp / jacrev / vmap)"
+    if any(torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in present):
+        return "forward-mode AD (dual tensors)"
+    return None
+
+
+def _say_once(route: str) -> None:
+    if route not in _warned:
+        _warned.add(route)
+        log.warning(
+            "cce_compile: linear_cross_entropy under %s: computed by PyTorch's autograd over "
+            "chunked float32 logits (exact, but reverse mode keeps the logits as eager does)",
+            route,
+        )
+
+
 def linear_cross_entropy(
     hidden: Tensor,
     classifier: Tensor,
@@ -128,8 +189,8 @@ def linear_cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     class_weights: Tensor | None = None,
-    softcap: float | None = None,
-    logit_scale: float = 1.0,
+    softcap: float | Tensor | None = None,
+    logit_scale: float | Tensor = 1.0,
     shift: int = 0,
     z_loss: float = 0.0,
     return_lse: bool = False,
@@ -148,6 +209,8 @@ def linear_cross_entropy(
     Args:
         hidden: (..., D) float32, bfloat16 or float16; the last hidden states.
         classifier: (V, D), hidden's dtype; the lm_head weight (tied embeddings allowed).
+            Under autocast (CPU or CUDA) hidden, classifier and bias are first cast to the
+            autocast dtype, as ``F.linear`` does there; the loss is float32 either way.
         targets: (...) int64 or int32 class indices, hidden's leading shape.
         bias: optional (V,) bias of the head.
         ignore_index: targets equal to it contribute nothing.
@@ -157,6 +220,9 @@ def linear_cross_entropy(
         class_weights: optional (V,) rescaling weight per class, as F.cross_entropy's weight.
         softcap: if given, logits -> softcap * tanh(logits / softcap) (Gemma 2/3).
         logit_scale: logits are multiplied by it before the softcap (muP, Cohere, Granite).
+            ``softcap`` and ``logit_scale`` may be 0-d tensors: one that requires grad is
+            differentiated (by PyTorch's autograd, keeping the logits as eager does); one that
+            does not is read as a number (a host sync on a GPU).
         shift: predict ``targets[..., t + shift]`` from ``hidden[..., t, :]`` (needs a time
             dimension); the last ``shift`` positions have no target. ``hidden`` is not copied.
         z_loss: adds ``z_loss * lse**2`` per non-ignored row, reduced like the loss (an
@@ -164,26 +230,24 @@ def linear_cross_entropy(
         return_lse: also return the per-row log-sum-exp of the (capped) logits, differentiable.
         mode: 'lean', 'fast' or 'auto'; None takes the configured mode (CCE_MODE).
 
+    Forward-mode AD and functorch transforms (``torch.func.grad``, ``jvp``, ``vjp``,
+    ``jacrev``, ``vmap``) are served exactly by PyTorch's autograd over chunked float32 logits
+    (said once in the ``cce_compile`` log): reverse mode then keeps the logits as eager does.
+
     Returns:
         The loss (float32): a scalar, or for 'none' shaped like ``targets`` with the time
         dimension shortened by ``shift`` (0 at ignored rows). With ``return_lse``, also the
         per-row lse (float32, same shape as a 'none' loss, valid at ignored rows too).
     """
-    _validate(
-        hidden,
-        classifier,
-        targets,
-        bias,
-        ignore_index,
-        reduction,
-        label_smoothing,
-        class_weights,
-        softcap,
-        logit_scale,
-        shift,
-        z_loss,
-        mode,
+    _validate_tensors(hidden, classifier, targets, bias, class_weights)
+    _validate_options(
+        hidden, ignore_index, reduction, label_smoothing, softcap, logit_scale, shift, z_loss, mode
     )
+    compute_dtype = _autocast_dtype(hidden.device)
+    if compute_dtype is not None:  # what autocast does to F.linear's inputs
+        hidden, classifier = hidden.to(compute_dtype), classifier.to(compute_dtype)
+        bias = None if bias is None else bias.to(compute_dtype)
+    _validate_dtypes(hidden, classifier, bias)
     dim = hidden.shape[-1]
     leading = tuple(hidden.shape[:-1])
     time = leading[-1] if leading else 1
@@ -192,6 +256,50 @@ def linear_cross_entropy(
     targets2 = targets.reshape(batch, time)
     rows_shape = leading[:-1] + (time - shift,) if leading else ()
 
+    route = _autograd_route((hidden, classifier, bias), logit_scale, softcap)
+    if route is None:
+        logit_scale, softcap = (
+            _as_number("logit_scale", logit_scale),
+            _as_number("softcap", softcap),
+        )
+    options = dict(
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=float(label_smoothing),
+        softcap=None if softcap is None or route else float(softcap),
+        logit_scale=1.0 if route else float(logit_scale),
+        shift=shift,
+        z_loss=float(z_loss),
+    )
+    if route is not None:
+        _say_once(route)
+        spec = LossSpec(**options)
+        execution.check_targets(targets2, class_weights, spec, classifier.shape[0])
+        loss, lse = torch_path.differentiable_loss(
+            hidden3,
+            classifier,
+            targets2,
+            bias,
+            class_weights,
+            spec,
+            lse_all_rows=return_lse,
+            budget_bytes=execution.budget_bytes(),
+            logit_scale=torch.as_tensor(logit_scale, device=hidden.device),
+            softcap=None if softcap is None else torch.as_tensor(softcap, device=hidden.device),
+        )
+    else:
+        loss, lse = _call_op(
+            hidden3, classifier, targets2, bias, class_weights, options, mode, return_lse
+        )
+    if reduction == "none":
+        loss = loss.reshape(rows_shape)
+    if return_lse:
+        return loss, lse.reshape(rows_shape)
+    return loss
+
+
+def _call_op(hidden, classifier, targets, bias, class_weights, options, mode, return_lse):
+    """(loss, lse) from ``torch.ops.cce.linear_cross_entropy`` in the chosen mode."""
     grad_on = torch.is_grad_enabled()
     needs_h = grad_on and hidden.requires_grad
     needs_c = grad_on and classifier.requires_grad
@@ -199,37 +307,29 @@ def linear_cross_entropy(
     settings = config.get()
     chosen = choose_mode(
         mode or settings.mode,
-        reduction=reduction,
+        reduction=options["reduction"],
         needs_grad=needs_h or needs_c or needs_b,
         needs_classifier=needs_c,
         lse_has_grad=return_lse and grad_on,
         vocab=classifier.shape[0],
-        dim=dim,
+        dim=hidden.shape[-1],
         budget_bytes=settings.memory_budget_mb * 2**20,
         explicit=mode is not None,
     )
     loss, lse, *_ = torch.ops.cce.linear_cross_entropy(
-        hidden3,
-        classifier,
-        targets2,
-        bias,
-        class_weights,
-        ignore_index,
-        reduction,
-        float(label_smoothing),
-        float(softcap or 0.0),
-        float(logit_scale),
-        shift,
-        float(z_loss),
-        return_lse,
-        chosen,
-        needs_h,
-        needs_c,
-        needs_b,
-        _ops.IMPLEMENTATION_VERSION,
+        *FORWARD.build(
+            hidden=hidden,
+            classifier=classifier,
+            targets=targets,
+            bias=bias,
+            class_weights=class_weights,
+            **options,
+            lse_all_rows=return_lse,
+            mode=chosen,
+            grad_hidden=needs_h,
+            grad_classifier=needs_c,
+            grad_bias=needs_b,
+            implementation_version=_ops.IMPLEMENTATION_VERSION,
+        )
     )
-    if reduction == "none":
-        loss = loss.reshape(rows_shape)
-    if return_lse:
-        return loss, lse.reshape(rows_shape)
-    return loss
+    return loss, lse

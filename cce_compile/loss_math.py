@@ -1,6 +1,6 @@
 """The loss in closed form, from three per-row statistics of the logits.
 
-Both implementations (the chunked reference and the Triton path) reduce the N x V logits to
+Both implementations (the chunked PyTorch path and the Triton path) reduce the N x V logits to
 per-row statistics and share everything after that here, so PyTorch's conventions are written
 once. With ``z = softcap(logit_scale * (hidden @ classifier.T + bias))`` and ``w`` the class
 weights (all ones when absent), each row ``i`` with target ``t`` needs:
@@ -29,23 +29,51 @@ The gradient with respect to z is, with p = softmax(z) and upstream factors ``a`
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 REDUCTIONS = ("none", "mean", "sum")
 
 
+def _finite(value: float) -> bool:
+    # Not math.isfinite: Dynamo cannot trace it; NaN fails both comparisons.
+    return -math.inf < value < math.inf
+
+
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
-    """The static options of one loss: everything but the tensors."""
+    """The static options of one loss: everything but the tensors.
+
+    The field list is also the options part of the op's argument list (``op_signature``), so
+    a new option is declared here once. Values are checked on construction: the op receives
+    them at run time (a compiled graph may pass symbolic ones), so an impossible value is a
+    clear error there, never a different loss.
+    """
 
     ignore_index: int = -100
     reduction: str = "mean"
     label_smoothing: float = 0.0
-    softcap: float = 0.0  # 0 means no softcap
+    softcap: float | None = None  # None: no softcap; c * tanh(z / c) for any finite c != 0
     logit_scale: float = 1.0
     shift: int = 0
     z_loss: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing}")
+        if self.softcap is not None and not (_finite(self.softcap) and self.softcap != 0.0):
+            raise ValueError(
+                f"softcap must be a finite non-zero number or None, got {self.softcap}"
+            )
+        if not _finite(self.logit_scale):
+            raise ValueError(f"logit_scale must be finite, got {self.logit_scale}")
+        if not (_finite(self.z_loss) and self.z_loss >= 0.0):
+            raise ValueError(f"z_loss must be a finite number >= 0, got {self.z_loss}")
+        if self.shift < 0:
+            raise ValueError(f"shift must be >= 0, got {self.shift}")
 
     @property
     def needs_wsum(self) -> bool:

@@ -1,4 +1,4 @@
-"""The CUDA implementation: Triton kernels plus cuBLAS GEMMs, same interface as ``reference``.
+"""The CUDA implementation: Triton kernels plus cuBLAS GEMMs, same interface as ``torch_path``.
 
 Lean mode (``forward`` + ``backward``):
   forward   one fused kernel (``lse_forward``) -> per-row lse and target logit; nothing N x V.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .interface import ForwardOut, Gradients, Needs
 from .kernels.chunk_softmax_grad import chunk_softmax_grad
 from .kernels.common import RowLayout, TileConfig, check_operands, row_layout
 from .kernels.logit_grad import logit_grad
@@ -35,7 +36,6 @@ from .loss_math import (
     row_targets,
 )
 from .policy import fast_chunk_rows
-from .reference import ForwardOut, Needs
 
 # The lean backward's slab: at most this many bytes (and at least one tile of columns). With
 # the small per-row vectors it keeps lean mode's extra memory under 64 MB; wider slabs save the
@@ -193,7 +193,9 @@ def _forward_fast(hidden, classifier, bias, class_weights, spec, rows, needs, bu
     to_positions = layout.rows_to_positions
     work_dtype = _work_dtype(hidden)
     elem = torch.finfo(work_dtype).bits // 8
-    chunk = min(n_positions, fast_chunk_rows(vocab, dim, elem, needs.classifier, budget_bytes))
+    chunk = max(
+        1, min(n_positions, fast_chunk_rows(vocab, dim, elem, needs.classifier, budget_bytes))
+    )
     parts = row_coefficient_parts(torch.ones((), device=device), None, rows, spec, vocab)
     p_base, coef_t, coef_w = (to_positions(v) for v in (parts.p_base, parts.coef_t, parts.coef_w))
     p_per_lse = None if parts.p_per_lse is None else to_positions(parts.p_per_lse)
@@ -202,9 +204,11 @@ def _forward_fast(hidden, classifier, bias, class_weights, spec, rows, needs, bu
     grad_positions = (
         torch.empty((n_positions, dim), dtype=hidden.dtype, device=device) if needs.hidden else None
     )
-    # Written, not accumulated, by the first chunk's GEMM (beta = 0): no zero fill.
+    # Written, not accumulated, by the first chunk's GEMM (beta = 0): no zero fill, unless
+    # there is no chunk at all (no rows).
+    alloc = torch.empty if n_positions else torch.zeros
     grad_classifier = (
-        torch.empty((vocab, dim), dtype=torch.float32, device=device) if needs.classifier else None
+        alloc((vocab, dim), dtype=torch.float32, device=device) if needs.classifier else None
     )
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if needs.bias else None
     lse_positions = torch.empty(n_positions, dtype=torch.float32, device=device)
@@ -275,7 +279,7 @@ def backward(
     lse_all_rows: bool,
     needs: Needs,
     budget_bytes: int,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+) -> Gradients:
     vocab, dim = classifier.shape
     device = hidden.device
     # Once here rather than in every slab's launch: the contiguous copies it may make.

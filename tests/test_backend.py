@@ -76,11 +76,11 @@ CACHE_SCRIPT = textwrap.dedent(
     """
     import torch, torch.nn.functional as F
     from torch._dynamo.utils import counters
-    import cce_compile, cce_compile.reference as reference
+    import cce_compile, cce_compile.torch_path as torch_path
 
     calls = []
-    real = reference.forward
-    reference.forward = lambda *a, **k: calls.append(1) or real(*a, **k)
+    real = torch_path.forward
+    torch_path.forward = lambda *a, **k: calls.append(1) or real(*a, **k)
 
     def loss(x, w, y):
         return F.cross_entropy(F.linear(x, w).view(-1, 11), y.view(-1))

@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cce_compile
 import cce_compile.ops  # noqa: F401  (registers torch.ops.cce)
+from cce_compile.op_signature import BACKWARD, FORWARD, LOSS_OPTIONS
 
 OP = torch.ops.cce.linear_cross_entropy.default
 BACKWARD_OP = torch.ops.cce.linear_cross_entropy_backward.default
@@ -29,7 +30,7 @@ STRUCTURAL = dict(
 # Options that only change the arithmetic: each structural combination runs with all of them
 # off and with all of them on.
 NUMERIC = {
-    "plain": dict(label_smoothing=0.0, softcap=0.0, logit_scale=1.0, z_loss=0.0),
+    "plain": dict(label_smoothing=0.0, softcap=None, logit_scale=1.0, z_loss=0.0),
     "numeric": dict(label_smoothing=0.1, softcap=7.5, logit_scale=1.7, z_loss=1e-3),
 }
 
@@ -59,25 +60,20 @@ def op_args(options: dict, dtype=torch.float32, leading=(2, 5), dim=7, vocab=11,
     case.classifier.requires_grad_()
     if case.bias is not None:
         case.bias.requires_grad_()
-    return (
-        case.hidden,
-        case.classifier,
-        case.targets,
-        case.bias,
-        case.class_weights,
-        -100,
-        options["reduction"],
-        options["label_smoothing"],
-        options["softcap"],
-        options["logit_scale"],
-        options["shift"],
-        options["z_loss"],
-        options["lse_all_rows"],
-        options["mode"],
-        True,
-        True,
-        case.bias is not None,
-        cce_compile.ops.IMPLEMENTATION_VERSION,
+    return FORWARD.build(
+        hidden=case.hidden,
+        classifier=case.classifier,
+        targets=case.targets,
+        bias=case.bias,
+        class_weights=case.class_weights,
+        ignore_index=-100,
+        **{name: options[name] for name in LOSS_OPTIONS if name in options},
+        lse_all_rows=options["lse_all_rows"],
+        mode=options["mode"],
+        grad_hidden=True,
+        grad_classifier=True,
+        grad_bias=case.bias is not None,
+        implementation_version=cce_compile.ops.IMPLEMENTATION_VERSION,
     )
 
 
@@ -115,17 +111,21 @@ def test_fake_kernels_mirror_real_outputs(options):
     assert [_meta(t) for t in real] == [_meta(t) for t in fake]
 
     grad_loss = torch.ones_like(real[0])
+    forward = FORWARD.bind(args)
     fast = real[2:] if options["mode"] == "fast" else (None, None, None)
-    backward_args = (
-        grad_loss,
-        real[1],
-        *args[:5],
-        real[1],
-        *(None if f is None or f.numel() == 0 else f for f in fast),
-        *args[5:13],
-        True,
-        True,
-        args[3] is not None,
+    fast = [None if f is None or f.numel() == 0 else f for f in fast]
+    backward_args = BACKWARD.build(
+        grad_loss=grad_loss,
+        grad_lse=real[1],
+        **forward.pick(("hidden", "classifier", "targets", "bias", "class_weights")),
+        lse=real[1],
+        fast_grad_hidden=fast[0],
+        fast_grad_classifier=fast[1],
+        fast_grad_bias=fast[2],
+        **forward.pick((*LOSS_OPTIONS, "lse_all_rows")),
+        grad_hidden=True,
+        grad_classifier=True,
+        grad_bias=forward.bias is not None,
     )
     real_grads = BACKWARD_OP(*backward_args)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:

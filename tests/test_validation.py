@@ -77,12 +77,12 @@ def test_mixed_devices_rejected():
 
 
 def test_validation_runs_before_any_kernel(monkeypatch):
-    import cce_compile.reference as reference
+    import cce_compile.torch_path as torch_path
 
     calls = []
-    real_forward = reference.forward
+    real_forward = torch_path.forward
     monkeypatch.setattr(
-        reference, "forward", lambda *a, **k: calls.append(1) or real_forward(*a, **k)
+        torch_path, "forward", lambda *a, **k: calls.append(1) or real_forward(*a, **k)
     )
     lce(**good())
     assert calls, "the patch must observe the implementation"

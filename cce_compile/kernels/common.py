@@ -82,7 +82,8 @@ def row_layout(hidden: torch.Tensor, shift: int) -> RowLayout:
     else:  # e.g. a batch dimension with stride 0: no flat matrix exists
         hidden = hidden.contiguous()
         seq_stride, stride_pos = time, dim
-    n_positions = (batch - 1) * seq_stride + rows_per_seq
+    # No loss rows (an empty batch or sequence): no positions either.
+    n_positions = (batch - 1) * seq_stride + rows_per_seq if batch * rows_per_seq else 0
     return RowLayout(
         hidden, n_positions, seq_stride, rows_per_seq, stride_pos, batch * rows_per_seq
     )

@@ -21,7 +21,7 @@ from torch.fx import Graph, GraphModule
 from .. import config
 from ..ops import IMPLEMENTATION_VERSION
 from . import report
-from .matching import DISABLED, DISABLED_DETAIL, Rejection, Site, find_sites
+from .matching import Site, find_sites
 from .rewrite import OP, rewrite_site
 
 log = logging.getLogger("cce_compile")
@@ -29,8 +29,12 @@ log = logging.getLogger("cce_compile")
 
 @functools.cache
 def _source_digest() -> str:
+    """The pass's own sources, and those of the package that decide what it emits (the
+    policy choosing a mode, the settings); the op's sources come in through its version."""
+    package = pathlib.Path(__file__).parent.parent
     digest = hashlib.sha256()
-    for path in sorted(pathlib.Path(__file__).parent.glob("*.py")):
+    sources = sorted(pathlib.Path(__file__).parent.glob("*.py"))
+    for path in [*sources, package / "policy.py", package / "config.py"]:
         digest.update(path.read_bytes())
     digest.update(str(OP._schema).encode())
     digest.update(str(IMPLEMENTATION_VERSION).encode())
@@ -48,16 +52,15 @@ def run_pass(graph: Graph) -> list[report.SiteReport]:
     settings = config.get()
     reports = []
     for found in find_sites(graph):
-        if isinstance(found, Site) and settings.disable:
-            log.debug("cce_compile: not rewriting %s: disabled", found.loss.name)
-            found = Rejection(found.loss, DISABLED, DISABLED_DETAIL)
-        if isinstance(found, Site):
-            described = report.describe(found, rewritten=True)
+        rewrite = isinstance(found, Site) and not settings.disable
+        described = report.describe(found, rewritten=rewrite)
+        if rewrite:
             rewrite_site(graph, found)
             counters["cce_compile"]["rewritten"] += 1
         else:
-            described = report.describe(found, rewritten=False)
-            counters["cce_compile"][f"skipped:{found.reason}"] += 1
+            if isinstance(found, Site):
+                log.debug("cce_compile: not rewriting %s: disabled", found.loss.name)
+            counters["cce_compile"][f"skipped:{described.reason}"] += 1
         reports.append(described)
     if any(r.rewritten for r in reports):
         graph.lint()

@@ -21,6 +21,7 @@ from torch.fx import Graph, Node
 
 from .. import config
 from . import predicates as p
+from . import safety
 
 log = logging.getLogger("cce_compile")
 
@@ -30,6 +31,7 @@ GRAPH_BREAK = "logits_from_graph_input"
 UNSUPPORTED_OP = "unsupported_op_in_chain"
 UNSUPPORTED_OPTION = "unsupported_option"
 DTENSOR = "dtensor_weights"
+MUTATION = "mutation_in_region"  # an in-place write the op would not see (or would)
 NO_HEAD = "no_linear_head"
 DISABLED = "disabled"  # a match that CCE_DISABLE keeps from being rewritten
 DISABLED_DETAIL = "CCE_DISABLE is set"
@@ -60,6 +62,8 @@ class Site:
     lse_users: list[Node]  # logsumexp nodes the op's lse can serve (z-loss)
     lse_shapes: list[Any]  # per lse user: "targets", "rows" (at hidden), "flat", or sizes
     lse_side_nodes: list[Node]  # casts between the chain and a served logsumexp
+    anchor: Node  # the op goes right before it: the loss, or an lse user's earlier consumer
+    detach_operands: bool  # the logits carry no gradient (no_grad / detach on the way)
 
     @property
     def rows(self) -> Any:
@@ -84,9 +88,10 @@ class Rejection:
 def find_sites(graph: Graph) -> list[Site | Rejection]:
     """Every cross-entropy candidate of ``graph``, matched or rejected, in graph order."""
     found: list[Site | Rejection] = []
+    order = safety.node_order(graph)
     for node in graph.nodes:
         if p.is_cross_entropy(node) or p.is_nll_loss(node):
-            result = match_site(node)
+            result = match_site(node, order)
             if isinstance(result, Rejection):
                 log.debug(
                     "cce_compile: not rewriting %s: %s (%s)",
@@ -126,6 +131,8 @@ def _loss_options(loss: Node) -> dict[str, Any] | Rejection:
     smoothing = args["label_smoothing"]
     if p.scalar(smoothing) is None:
         return _reject(loss, UNSUPPORTED_OPTION, "label_smoothing is not a scalar")
+    if not isinstance(smoothing, Node) and not 0.0 <= smoothing <= 1.0:
+        return _reject(loss, UNSUPPORTED_OPTION, f"label_smoothing {smoothing} outside [0, 1]")
     logits_value, target_value = p.tensor_value(logits), p.tensor_value(args["target"])
     if logits_value is None or target_value is None:
         return _reject(loss, UNSUPPORTED_OPTION, "input or target without example value")
@@ -192,12 +199,18 @@ def _walk_to_head(loss: Node, start: Node) -> tuple[Node, _Walk] | Rejection:
             if walk.scale_factors:
                 return _reject(loss, UNSUPPORTED_OP, "logits scaled after the softcap")
             inner, walk.softcap, tanh_nodes = capped
+            bad = safety.bad_constant("the softcap", walk.softcap, zero_ok=False)
+            if bad is not None:  # c * tanh(x / c) with c = 0 or inf is no softcap the op has
+                return _reject(loss, UNSUPPORTED_OPTION, bad)
             walk.chain.extend(tanh_nodes)
             node = inner
             continue
         scaled = p.is_scale(node)
         if scaled is not None:
             tensor, factor, divides = scaled
+            bad = safety.bad_constant(f"{node.name}'s factor", factor, zero_ok=not divides)
+            if bad is not None:
+                return _reject(loss, UNSUPPORTED_OPTION, f"logits scaled by a constant: {bad}")
             walk.scale_factors.append((factor, divides))
             node = tensor
             continue
@@ -241,8 +254,9 @@ def _head_operands(head: Node) -> tuple[Node, Node, bool, Any, list[Node]] | Non
     return None
 
 
-def match_site(loss: Node) -> Site | Rejection:
+def match_site(loss: Node, order: dict[Node, int] | None = None) -> Site | Rejection:
     """Match one loss node against the pattern; a Site, or a Rejection saying why not."""
+    order = order or safety.node_order(loss.graph)
     options = _loss_options(loss)
     if isinstance(options, Rejection):
         return options
@@ -262,8 +276,10 @@ def match_site(loss: Node) -> Site | Rejection:
         return _reject(loss, DTENSOR, "DTensor weights or activations (distributed)")
     if bias is not None and (not isinstance(bias, Node) or p.tensor_value(bias) is None):
         return _reject(loss, UNSUPPORTED_OPTION, "bias is not a tensor")
-    if not head_value.dtype.is_floating_point:
-        return _reject(loss, UNSUPPORTED_OPTION, f"head computes in {head_value.dtype}")
+    if head_value.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return _reject(
+            loss, UNSUPPORTED_OPTION, f"head computes in {head_value.dtype} (the op: float32)"
+        )
 
     chain = list(reversed(walk.chain))
     z_level = set(walk.z_level)
@@ -271,14 +287,37 @@ def match_site(loss: Node) -> Site | Rejection:
         head, chain, loss, options["log_softmax"], z_level
     )
     rows_at_hidden = _rows_at_hidden(head, chain)
+    inputs = [
+        hidden,
+        classifier,
+        bias,
+        options["target"],
+        options["weight"],
+        options["label_smoothing"],
+        walk.softcap,
+        walk.scale_factors,
+        walk.row_indices,
+    ]
+    ready = safety.ready_after(inputs, order)
+    anchor = loss
     lse_shapes = []
     for user in list(lse_users):
         shape = _lse_shape(user, options["target"], rows_at_hidden)
-        if shape is None:  # a shape the op's lse cannot be reshaped to without the logits
+        # The op serves a logsumexp only with its rows, before the logsumexp's first consumer,
+        # at a point where its inputs exist and the loss's grad mode holds.
+        first = min([loss, *user.users], key=order.__getitem__)
+        servable = (
+            shape is not None
+            and order[first] > max(ready, safety.ready_after([shape], order))
+            and safety.requires_grad(user) == safety.requires_grad(loss)
+            and not safety.grad_mode_changes(first, loss, order)
+        )
+        if servable:
+            lse_shapes.append(shape)
+            anchor = min(anchor, first, key=order.__getitem__)
+        else:
             lse_users.remove(user)
             escaping.append(user)
-        else:
-            lse_shapes.append(shape)
     if escaping and config.get().escaping_logits != "rewrite":
         users = ", ".join(
             sorted({u.name for n in escaping for u in _outside_users(n, chain, loss)})
@@ -289,7 +328,21 @@ def match_site(loss: Node) -> Site | Rejection:
             f"logits are also used by {users}; compile the loss step "
             "so the logits die inside the graph, or set CCE_ESCAPING_LOGITS=rewrite",
         )
+    last = max([loss, *lse_users], key=order.__getitem__)
+    read = [hidden, classifier, bias, options["target"], options["weight"], head, *chain]
+    written = safety.first_write([n for n in read if isinstance(n, Node)], head, last, order)
+    if written is not None:
+        writer, target = written
+        return _reject(
+            loss,
+            MUTATION,
+            f"{writer.name} ({safety.target_name(writer)}) writes {target.name} in place "
+            "between the head and the loss",
+        )
+    loss_input = options["log_softmax"] or options["logits"]
     return Site(
+        anchor=anchor,
+        detach_operands=not safety.requires_grad(loss_input),
         loss=loss,
         head=head,
         hidden=hidden,

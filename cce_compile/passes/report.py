@@ -15,7 +15,17 @@ import torch
 
 from .. import config
 from . import predicates as p
-from .matching import DISABLED, DISABLED_DETAIL, DTENSOR, ESCAPES, GRAPH_BREAK, Site, find_sites
+from .matching import (
+    DISABLED,
+    DISABLED_DETAIL,
+    DTENSOR,
+    ESCAPES,
+    GRAPH_BREAK,
+    MUTATION,
+    Rejection,
+    Site,
+    find_sites,
+)
 
 _FIX = {
     ESCAPES: "compile the step that computes the loss from the model's outputs so the "
@@ -25,6 +35,8 @@ _FIX = {
     "(TORCH_LOGS=graph_breaks shows where it is)",
     DTENSOR: "distributed (DTensor) weights are not supported yet",
     DISABLED: "unset CCE_DISABLE",
+    MUTATION: "move the in-place operation before the head or after the loss, or make it "
+    "out of place",
 }
 
 
@@ -89,11 +101,14 @@ def _location(node) -> str:
     return frames[-1].replace("File ", "") if frames else "<unknown>"
 
 
-def describe(found, rewritten: bool) -> SiteReport:
-    """A SiteReport for a Site or a Rejection."""
+def describe(found: Site | Rejection, rewritten: bool) -> SiteReport:
+    """A SiteReport for a Site (rewritten, or matched but kept by CCE_DISABLE) or a
+    Rejection."""
     result = SiteReport(found.loss.name, _location(found.loss), rewritten)
-    if not rewritten:
+    if isinstance(found, Rejection):
         result.reason, result.detail = found.reason, found.detail
+    elif not rewritten:
+        result.reason, result.detail = DISABLED, DISABLED_DETAIL
     if isinstance(found, Site):
         rows, vocab = p.size_hint(found.rows), p.size_hint(found.vocab)
         result.rows, result.vocab = rows, vocab
@@ -140,12 +155,7 @@ def explain(fn_or_model, *args, **kwargs) -> Report:
                 graphs += 1
                 for found in find_sites(module.graph):
                     would_rewrite = isinstance(found, Site) and not disabled
-                    if isinstance(found, Site) and disabled:
-                        result = describe(found, rewritten=False)
-                        result.reason, result.detail = DISABLED, DISABLED_DETAIL
-                        sites.append(result)
-                    else:
-                        sites.append(describe(found, rewritten=would_rewrite))
+                    sites.append(describe(found, rewritten=would_rewrite))
         return gm.forward
 
     compiled = torch.compile(fn_or_model, backend=recording_backend)

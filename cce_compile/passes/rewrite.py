@@ -16,6 +16,7 @@ import torch
 from torch.fx import Graph, Node
 
 from .. import config
+from ..op_signature import FORWARD
 from ..ops import IMPLEMENTATION_VERSION
 from ..policy import choose_mode
 from . import predicates as p
@@ -117,20 +118,27 @@ def choose_site_mode(site: Site, needs: tuple[bool, bool, bool]) -> str:
     )
 
 
+def _operand(emit: _Emitter, node: Node | None, site: Site) -> Node | None:
+    """An operand as the head saw it: no gradient flows to it if none flows to the logits."""
+    if node is None or not site.detach_operands or not p.tensor_value(node).requires_grad:
+        return node
+    return emit(aten.detach.default, node)
+
+
 def rewrite_site(graph: Graph, site: Site) -> Node:
     """Replace ``site`` in ``graph``; returns the op node."""
     loss = site.loss
-    emit = _Emitter(graph, loss)
+    emit = _Emitter(graph, site.anchor)
     dtype = site.compute_dtype
-    rows = site.hidden  # hidden with the logits' leading shape at the head, row slices applied
+    rows = _operand(emit, site.hidden, site)  # the logits' leading shape at the head
     for index in site.row_indices:
         rows = emit(operator.getitem, rows, index)
     hidden = _canonical_hidden(emit, _cast(emit, rows, dtype))
-    classifier = site.classifier
+    classifier = _operand(emit, site.classifier, site)
     if site.classifier_is_transposed:
         classifier = emit(aten.t.default, classifier)
     classifier = _cast(emit, classifier, dtype)
-    bias = _cast(emit, site.bias, dtype)
+    bias = _cast(emit, _operand(emit, site.bias, site), dtype)
     hidden_value = p.tensor_value(hidden)
     targets = emit(
         aten.reshape.default,
@@ -140,30 +148,33 @@ def rewrite_site(graph: Graph, site: Site) -> Node:
         else list(hidden_value.shape[:2]),
     )
 
-    loss_requires_grad = p.tensor_value(loss).requires_grad
+    flows = p.tensor_value(loss).requires_grad and not site.detach_operands
     needs = tuple(
-        bool(loss_requires_grad and n is not None and p.tensor_value(n).requires_grad)
+        bool(flows and n is not None and p.tensor_value(n).requires_grad)
         for n in (site.hidden, site.classifier, site.bias)
     )
-    softcap = 0.0 if site.softcap is None else _as_float(site.softcap)
     op = emit(
         OP,
-        hidden,
-        classifier,
-        targets,
-        bias,
-        site.class_weights,
-        site.ignore_index,
-        site.reduction,
-        _as_float(site.label_smoothing),
-        softcap,
-        _as_float(_scalar_product(emit, site.scale_factors)),
-        0,  # shift: row slices were replayed on hidden
-        0.0,  # z_loss: a user's z-loss reads the op's lse instead
-        bool(site.lse_users),
-        choose_site_mode(site, needs),
-        *needs,
-        IMPLEMENTATION_VERSION,
+        *FORWARD.build(
+            hidden=hidden,
+            classifier=classifier,
+            targets=targets,
+            bias=bias,
+            class_weights=site.class_weights,
+            ignore_index=site.ignore_index,
+            reduction=site.reduction,
+            label_smoothing=_as_float(site.label_smoothing),
+            softcap=None if site.softcap is None else _as_float(site.softcap),
+            logit_scale=_as_float(_scalar_product(emit, site.scale_factors)),
+            shift=0,  # row slices were replayed on hidden
+            z_loss=0.0,  # a user's z-loss reads the op's lse instead
+            lse_all_rows=bool(site.lse_users),
+            mode=choose_site_mode(site, needs),
+            grad_hidden=needs[0],
+            grad_classifier=needs[1],
+            grad_bias=needs[2],
+            implementation_version=IMPLEMENTATION_VERSION,
+        ),
     )
     new_loss = emit(operator.getitem, op, 0)
     if site.reduction == "none":

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from harness import OP, check
+from harness import OP, check, hook_enabled
 
 from cce_compile import config
 from cce_compile.passes.graph_pass import CCEGraphPass, pass_uuid, run_pass
@@ -41,12 +42,85 @@ def dynamo_graph(fn, args, dynamic=False):
 def test_uuid_tracks_settings_and_is_stable():
     first = CCEGraphPass().uuid()
     assert first == pass_uuid() == CCEGraphPass().uuid()
-    with config.override(mode="fast"):
-        assert CCEGraphPass().uuid() != first
-    with config.override(escaping_logits="rewrite"):
-        assert CCEGraphPass().uuid() != first
-    with config.override(memory_budget_mb=7):  # runtime-only: no new rewrite
+    for change in (
+        dict(mode="fast"),
+        dict(escaping_logits="rewrite"),
+        dict(memory_budget_mb=7),  # auto mode bakes lean or fast into the graph from it
+        dict(disable=True),
+    ):
+        with config.override(**change):
+            assert CCEGraphPass().uuid() != first, change
+    with config.override(check_targets=True):  # read by the op at run time only
         assert CCEGraphPass().uuid() == first
+
+
+# Every setting, with values that could change a rewrite of the graph below (V x D large
+# enough that the budget decides between lean and fast in auto mode).
+SETTING_VALUES = dict(
+    auto_enable=[False, True],
+    mode=["auto", "lean", "fast"],
+    memory_budget_mb=[16, 4096],
+    escaping_logits=["keep", "rewrite"],
+    check_targets=[False, True],
+    disable=[False, True],
+)
+
+
+def test_every_setting_that_changes_the_rewrite_changes_the_uuid():
+    assert set(SETTING_VALUES) == {f.name for f in dataclasses.fields(config.Settings)}
+
+    def escaping(x, w, y):
+        logits = F.linear(x, w)
+        return F.cross_entropy(logits.view(-1, w.shape[0]), y.view(-1)), logits
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 64, generator=gen, requires_grad=True)
+    w = torch.randn(4096, 64, generator=gen, requires_grad=True)
+    y = torch.randint(0, 4096, (2, 3), generator=gen)
+    emitted = {}
+    for name, values in SETTING_VALUES.items():
+        for value in values:
+            # Escaping logits rewritten unless that setting is the one tried: every other
+            # setting then acts on a rewrite.
+            base = {} if name == "escaping_logits" else dict(escaping_logits="rewrite")
+            with config.override(**{**base, name: value}):
+                gm, _ = dynamo_graph(escaping, (x, w, y))
+                run_pass(gm.graph)
+                emitted[(name, value)] = (gm.graph.python_code("self").src, pass_uuid())
+    for name, values in SETTING_VALUES.items():
+        codes = {emitted[(name, v)][0] for v in values}
+        uuids = {emitted[(name, v)][1] for v in values}
+        if len(codes) > 1:
+            assert len(uuids) == len(values), f"{name} changes the rewrite but not the uuid"
+    assert len({emitted[("memory_budget_mb", v)][0] for v in (16, 4096)}) == 2
+
+
+def test_warm_cache_compiled_under_another_budget_is_not_replayed(monkeypatch):
+    """Auto mode picks lean under a small budget and fast under a large one; a graph cached
+    under one budget must not be replayed under the other."""
+    from cce_compile import execution
+    from torch._inductor.utils import fresh_cache
+
+    modes = []
+    real_forward = execution.forward
+    monkeypatch.setattr(
+        execution, "forward", lambda args: modes.append(args.mode) or real_forward(args)
+    )
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 64, generator=gen, requires_grad=True)
+    w = torch.randn(4096, 64, generator=gen, requires_grad=True)
+    y = torch.randint(0, 4096, (2, 3), generator=gen)
+    with (
+        fresh_cache(),
+        hook_enabled(),
+        torch._inductor.config.patch(fx_graph_cache=True),
+        torch._functorch.config.patch(enable_autograd_cache=True),
+    ):
+        for budget in (16, 4096, 16):
+            with config.override(mode="auto", memory_budget_mb=budget):
+                torch._dynamo.reset()
+                torch.compile(loss)(x, w, y).backward()
+    assert modes == ["lean", "fast", "lean"]
 
 
 def test_idempotent_and_no_new_placeholders():

@@ -1,20 +1,23 @@
-"""The pure-PyTorch implementation: the CPU path, and the fast companion of the test oracle.
+"""The PyTorch implementation: the CPU path (any device), and the fast companion of the oracle.
 
 Rows are processed in chunks so that at most one chunk of float32 logits exists at a time
 (never N x V). Everything is accumulated in float32 and matches float32 math to rounding.
 
-Shapes follow the op's canonical form: ``hidden`` (B, T, D), ``targets`` (B, T); row ``r`` of
-the loss is ``hidden[b, t]`` predicting ``targets[b, t + shift]`` with ``(b, t) = divmod(r,
-T - shift)``, so a shift never copies ``hidden``.
+Shapes follow the op's canonical form (``interface``): row ``r`` of the loss is
+``hidden[b, t]`` predicting ``targets[b, t + shift]`` with ``(b, t) = divmod(r, T - shift)``,
+so a shift never copies ``hidden``.
+
+``differentiable_loss`` is the same math left to PyTorch's autograd, for what the op's own
+formula does not cover (forward-mode AD, functorch transforms, a differentiable logit_scale).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 
 import torch
 
+from .interface import ForwardOut, Gradients, Needs
 from .loss_math import (
     LossSpec,
     RowTargets,
@@ -26,28 +29,6 @@ from .loss_math import (
 
 # Temporaries of one chunk, in float32 values per logit: y, z, and the gradient.
 _LOGIT_TEMPORARIES = 3
-
-
-@dataclasses.dataclass
-class Needs:
-    """Which gradients the caller wants."""
-
-    hidden: bool = False
-    classifier: bool = False
-    bias: bool = False
-
-    @property
-    def any(self) -> bool:
-        return self.hidden or self.classifier or self.bias
-
-
-@dataclasses.dataclass
-class ForwardOut:
-    loss: torch.Tensor
-    lse: torch.Tensor  # (N,) float32
-    grad_hidden: torch.Tensor | None = None
-    grad_classifier: torch.Tensor | None = None  # float32 accumulator
-    grad_bias: torch.Tensor | None = None  # float32 accumulator
 
 
 def chunk_rows(vocab: int, budget_bytes: int) -> int:
@@ -90,17 +71,18 @@ def _chunks(n_rows: int, chunk: int) -> Iterator[tuple[int, int]]:
         yield start, min(start + chunk, n_rows)
 
 
-def _logits(
-    h32: torch.Tensor, c32: torch.Tensor, b32: torch.Tensor | None, spec: LossSpec
-) -> torch.Tensor:
-    """z = softcap(logit_scale * (h @ c.T + b)), float32."""
+def _logits(h32, c32, b32, logit_scale, softcap) -> torch.Tensor:
+    """z = softcap(logit_scale * (h @ c.T + b)), float32; scale and cap are numbers, or 0-d
+    tensors (the differentiable path)."""
     z = h32 @ c32.T
     if b32 is not None:
         z += b32
-    if spec.logit_scale != 1.0:
-        z *= spec.logit_scale
-    if spec.softcap:
-        z = torch.tanh(z / spec.softcap) * spec.softcap
+    if isinstance(logit_scale, torch.Tensor):
+        z = z * logit_scale  # out of place: its gradient needs z
+    elif logit_scale != 1.0:
+        z *= logit_scale
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
     return z
 
 
@@ -114,7 +96,7 @@ def _grad_from_logits(
 ) -> torch.Tensor:
     """d loss / d (h @ c.T + b) for one chunk from its logits ``z``, which it overwrites."""
     tanh_grad = None
-    if spec.softcap:
+    if spec.softcap is not None:
         tanh_grad = 1.0 - (z / spec.softcap).square()
     coef_p, coef_t, coef_w = coefs
     grad = z.sub_(lse[:, None]).exp_().mul_(coef_p[:, None])
@@ -196,7 +178,7 @@ def forward(
     unit = torch.ones((), device=hidden.device)
     for start, stop in _chunks(n_rows, chunk_rows(vocab, budget_bytes)):
         h32 = rows_io.read(start, stop).float()
-        z = _logits(h32, c32, b32, spec)
+        z = _logits(h32, c32, b32, spec.logit_scale, spec.softcap)
         chunk_rows_ = rows.slice(start, stop)
         lse[start:stop] = torch.logsumexp(z, dim=-1)
         target_logit[start:stop] = z.gather(1, chunk_rows_.safe[:, None])[:, 0]
@@ -229,7 +211,7 @@ def backward(
     lse_all_rows: bool,
     needs: Needs,
     budget_bytes: int,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+) -> Gradients:
     """Gradients for hidden (its dtype) and float32 accumulators for classifier and bias."""
     vocab, rows, c32, b32, w32 = _prepare(hidden, classifier, targets, bias, class_weights, spec)
     rows_io = _Rows(hidden, spec.shift)
@@ -251,7 +233,45 @@ def backward(
             lse_all_rows,
         )
         h32 = rows_io.read(start, stop).float()
-        z = _logits(h32, c32, b32, spec)
+        z = _logits(h32, c32, b32, spec.logit_scale, spec.softcap)
         grad = _grad_from_logits(z, lse[start:stop], coefs, chunk_rows_, w32, spec)
         acc.add(rows_io, start, stop, grad, h32, c32)
     return acc.hidden, acc.classifier, acc.bias
+
+
+def differentiable_loss(
+    hidden: torch.Tensor,
+    classifier: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weights: torch.Tensor | None,
+    spec: LossSpec,
+    *,
+    lse_all_rows: bool,
+    budget_bytes: int,
+    logit_scale: torch.Tensor | None = None,
+    softcap: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, lse) by PyTorch's own autograd over the same chunked math, any AD mode.
+
+    ``logit_scale`` / ``softcap`` given as 0-d tensors replace the spec's numbers and are
+    differentiated. Nothing is written in place into a shared buffer (functorch transforms
+    forbid it). Reverse mode keeps every chunk's float32 logits for the backward, as eager
+    PyTorch keeps its logits; forward mode keeps none.
+    """
+    vocab, rows, c32, b32, w32 = _prepare(hidden, classifier, targets, bias, class_weights, spec)
+    scale = spec.logit_scale if logit_scale is None else logit_scale
+    cap = spec.softcap if softcap is None else softcap
+    rows_io = _Rows(hidden, spec.shift)
+    n_rows = rows.targets.numel()
+    stats: list[list[torch.Tensor]] = [[], [], []]  # lse, target logit, wsum per chunk
+    for start, stop in _chunks(n_rows, chunk_rows(vocab, budget_bytes)):
+        z = _logits(rows_io.read(start, stop).float(), c32, b32, scale, cap)
+        stats[0].append(torch.logsumexp(z, dim=-1))
+        stats[1].append(z.gather(1, rows.safe[start:stop, None])[:, 0])
+        if spec.needs_wsum:
+            stats[2].append(z @ w32 if w32 is not None else z.sum(-1))
+    empty = hidden.new_zeros(0, dtype=torch.float32)
+    lse, target_logit, wsum = (torch.cat(s) if s else empty for s in stats)
+    loss = finish_loss(lse, target_logit, wsum if spec.needs_wsum else None, rows, spec, vocab)
+    return loss, returned_lse(lse, rows, lse_all_rows)

@@ -1,0 +1,127 @@
+"""Running the ops' implementations: which one, under which numerics, and how fast mode's
+precomputed gradients combine with recomputed ones.
+
+The op's kernels (``ops``) hand their bound arguments here. CUDA with Triton runs
+``triton_path``; every other device runs ``torch_path``. Both always compute in float32 from
+the inputs they are given: autocast is switched off around them, so an enclosing autocast
+region neither changes their dtypes nor mixes precisions between forward and backward (the
+public function and the graph pass apply autocast's casts to the inputs instead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+
+from . import config, torch_path
+from .interface import ForwardOut, Gradients, Implementation, Needs
+from .loss_math import LossSpec, check_targets_in_range, row_targets
+from .op_signature import Bound
+
+
+@functools.cache
+def _triton_path() -> Implementation | None:
+    """The Triton implementation, or None where Triton cannot run."""
+    try:
+        from . import triton_path
+    except ImportError:
+        return None
+    return triton_path if triton_path.available() else None
+
+
+def implementation_for(device: torch.device) -> Implementation:
+    if device.type == "cuda":
+        impl = _triton_path()
+        if impl is not None:
+            return impl
+    return torch_path
+
+
+def budget_bytes() -> int:
+    return config.get().memory_budget_mb * 2**20
+
+
+def check_targets(targets, class_weights, spec: LossSpec, vocab: int) -> None:
+    """PyTorch's error for out-of-range targets, where checking costs no device sync."""
+    if targets.device.type == "cpu" or config.get().check_targets:
+        check_targets_in_range(row_targets(targets, class_weights, spec, vocab), vocab)
+
+
+@contextlib.contextmanager
+def float32_math(device: torch.device) -> Iterator[None]:
+    """Autocast off for ``device`` inside the block (the implementations pick dtypes)."""
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        with torch.autocast(device.type, enabled=False):
+            yield
+    else:
+        yield
+
+
+def needs_of(args: Bound) -> Needs:
+    return Needs(args.grad_hidden, args.grad_classifier, args.grad_bias and args.bias is not None)
+
+
+def forward(args: Bound) -> ForwardOut:
+    spec = args.spec()
+    check_targets(args.targets, args.class_weights, spec, args.classifier.shape[0])
+    with float32_math(args.hidden.device):
+        return implementation_for(args.hidden.device).forward(
+            args.hidden,
+            args.classifier,
+            args.targets,
+            args.bias,
+            args.class_weights,
+            spec,
+            lse_all_rows=args.lse_all_rows,
+            fast=args.mode == "fast",
+            needs=needs_of(args),
+            budget_bytes=budget_bytes(),
+        )
+
+
+def backward(args: Bound) -> Gradients:
+    """Gradients in the backward op's needs, in the inputs' dtypes (None where not needed).
+
+    Fast mode's buffers hold the loss's gradients for a unit upstream gradient: they are
+    scaled, and only the lse's part (if any) is recomputed. Needs they do not cover (a
+    gradient the forward was not asked for) are recomputed in full.
+    """
+    spec = args.spec()
+    needs = needs_of(args)
+    inputs = (args.hidden, args.classifier, args.bias)
+    impl = implementation_for(args.hidden.device)
+    buffers = (args.fast_grad_hidden, args.fast_grad_classifier, args.fast_grad_bias)
+    served = Needs(*(b is not None for b in buffers))
+    grads: list[torch.Tensor | None] = [None, None, None]
+    grad_loss = args.grad_loss
+    with float32_math(args.hidden.device):
+        if grad_loss is not None and served.any and not needs.without(served).any:
+            for i, (buffer, like) in enumerate(zip(buffers, inputs)):
+                if buffer is not None and (needs.hidden, needs.classifier, needs.bias)[i]:
+                    grads[i] = impl.scale_to(buffer, grad_loss, like.dtype)
+            grad_loss = None  # consumed
+        if grad_loss is not None or args.grad_lse is not None:
+            if grad_loss is not None and spec.reduction == "none":
+                grad_loss = grad_loss.reshape(-1)
+            computed = impl.backward(
+                grad_loss,
+                None if args.grad_lse is None else args.grad_lse.reshape(-1),
+                args.hidden,
+                args.classifier,
+                args.targets,
+                args.bias,
+                args.class_weights,
+                args.lse.reshape(-1),
+                spec,
+                lse_all_rows=args.lse_all_rows,
+                needs=needs,
+                budget_bytes=budget_bytes(),
+            )
+            for i, (extra, like) in enumerate(zip(computed, inputs)):
+                if extra is not None:
+                    extra = extra.to(like.dtype)
+                    grads[i] = extra if grads[i] is None else grads[i] + extra
+    return grads[0], grads[1], grads[2]

@@ -1,0 +1,121 @@
+"""The argument lists of the ``cce`` ops: the one place that names and orders them.
+
+Everything that builds or reads a call of the ops goes through a :class:`Signature`: the
+schema strings registered with ``torch.library`` (``ops``), the public function and the graph
+rewrite that build calls (``functional``, ``passes.rewrite``), and the autograd formula that
+reads them back. Arguments are looked up by name, never by position. The loss options are the
+fields of :class:`~cce_compile.loss_math.LossSpec`, so a new option is declared there once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .loss_math import LossSpec
+
+# Python annotation of a LossSpec field -> its type in an op schema.
+_SCHEMA_TYPES = {"int": "int", "str": "str", "float": "float", "float | None": "float?"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Argument:
+    name: str
+    schema_type: str  # as written in a torch.library schema: "Tensor", "Tensor?", "int", ...
+
+
+class Bound:
+    """One call's arguments, by name (``args.hidden``), as read from the op's inputs."""
+
+    def __init__(self, signature: Signature, values: Sequence[Any]):
+        if len(values) != len(signature.names):
+            raise TypeError(f"{len(values)} values for {len(signature.names)} arguments")
+        self._values = dict(zip(signature.names, values))
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def pick(self, names: Iterable[str]) -> dict[str, Any]:
+        return {name: self._values[name] for name in names}
+
+    def spec(self) -> LossSpec:
+        return LossSpec(**self.pick(LOSS_OPTIONS))
+
+
+class Signature:
+    """An ordered argument list: builds calls and binds inputs by name."""
+
+    def __init__(self, arguments: Iterable[Argument]):
+        self.arguments = tuple(arguments)
+        self.names = tuple(a.name for a in self.arguments)
+
+    def schema(self, returns: str) -> str:
+        params = ", ".join(f"{a.schema_type} {a.name}" for a in self.arguments)
+        return f"({params}) -> {returns}"
+
+    def build(self, **values: Any) -> tuple:
+        """The positional arguments of a call; every name must be given, no other."""
+        missing = [n for n in self.names if n not in values]
+        unknown = sorted(set(values) - set(self.names))
+        if missing or unknown:
+            raise TypeError(f"op arguments: missing {missing}, unknown {unknown}")
+        return tuple(values[n] for n in self.names)
+
+    def bind(self, values: Sequence[Any]) -> Bound:
+        return Bound(self, values)
+
+    def gradients(self, **grads: Any) -> tuple:
+        """A backward's return value: the given gradients by name, None for the rest."""
+        unknown = sorted(set(grads) - set(self.names))
+        if unknown:
+            raise TypeError(f"gradients for unknown arguments {unknown}")
+        return tuple(grads.get(n) for n in self.names)
+
+    def index(self, name: str) -> int:
+        return self.names.index(name)
+
+
+LOSS_OPTIONS = tuple(f.name for f in dataclasses.fields(LossSpec))
+_OPTIONS = [Argument(f.name, _SCHEMA_TYPES[str(f.type)]) for f in dataclasses.fields(LossSpec)]
+_INPUTS = [
+    Argument("hidden", "Tensor"),  # (B, T, D)
+    Argument("classifier", "Tensor"),  # (V, D)
+    Argument("targets", "Tensor"),  # (B, T) int
+    Argument("bias", "Tensor?"),  # (V,)
+    Argument("class_weights", "Tensor?"),  # (V,)
+]
+# Which gradients the caller wants (fast mode computes exactly these in the forward).
+GRAD_FLAGS = ("grad_hidden", "grad_classifier", "grad_bias")
+_GRAD_FLAGS = [Argument(name, "bool") for name in GRAD_FLAGS]
+
+FORWARD = Signature(
+    [
+        *_INPUTS,
+        *_OPTIONS,
+        Argument("lse_all_rows", "bool"),  # the returned lse is valid at ignored rows too
+        Argument("mode", "str"),  # "lean" or "fast"
+        *_GRAD_FLAGS,
+        Argument("implementation_version", "int"),  # see versioning.py
+    ]
+)
+FORWARD_RETURNS = "(Tensor, Tensor, Tensor, Tensor, Tensor)"
+
+BACKWARD = Signature(
+    [
+        Argument("grad_loss", "Tensor?"),
+        Argument("grad_lse", "Tensor?"),
+        *_INPUTS,
+        Argument("lse", "Tensor"),
+        Argument("fast_grad_hidden", "Tensor?"),
+        Argument("fast_grad_classifier", "Tensor?"),
+        Argument("fast_grad_bias", "Tensor?"),
+        *_OPTIONS,
+        Argument("lse_all_rows", "bool"),
+        *_GRAD_FLAGS,
+    ]
+)
+BACKWARD_RETURNS = "(Tensor, Tensor, Tensor)"

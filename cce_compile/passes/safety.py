@@ -1,0 +1,167 @@
+"""When a matched site would not compute what the graph computes: in-place writes, grad mode,
+constants, and consumers the op cannot reach in time.
+
+The op runs at one point of the graph (its *anchor*: the loss, or an earlier logsumexp it
+serves) and reads ``hidden``, the classifier and the targets there; eager reads them at the head
+and at the loss. Between the head and the last consumer nothing may write any of those tensors,
+nor the logits (which ``CCE_ESCAPING_LOGITS=rewrite`` keeps for other users), or the rewrite
+would read other values than eager did. Inductor's own passes leave regions with mutations
+alone the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.fx import Graph, Node
+
+from . import predicates as p
+
+# Operators that write their first operand (Dynamo keeps `x += 1`, `x[i] = v` as these).
+_INPLACE_OPERATORS = {
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.imod,
+    operator.ipow,
+    operator.imatmul,
+    operator.iand,
+    operator.ior,
+    operator.ixor,
+    operator.ilshift,
+    operator.irshift,
+    operator.setitem,
+}
+# Calls that switch grad mode inside a graph (Dynamo records `with torch.no_grad()` as these).
+_GRAD_MODE_SWITCHES = {
+    torch._C._set_grad_enabled,
+    torch.autograd.grad_mode._enter_inference_mode,
+    torch.autograd.grad_mode._exit_inference_mode,
+}
+# Trailing-underscore methods that change metadata, not values.
+_METADATA_ONLY = {"requires_grad_", "retain_grad", "share_memory_", "record_stream"}
+
+
+def node_order(graph: Graph) -> dict[Node, int]:
+    """Each node's position in the graph."""
+    return {node: i for i, node in enumerate(graph.nodes)}
+
+
+def target_name(node: Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", "")
+
+
+def _schema_writes(node: Node) -> list[Any]:
+    """Arguments an OpOverload's schema marks as written (aten ops in the graph)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            written.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+    return written
+
+
+def written_operands(node: Node) -> list[Node]:
+    """The nodes whose tensors ``node`` writes in place: the first operand of in-place
+    operators, methods and functions (``mul_``, ``torch.relu_``, ``x[i] = v``, ``x += y``,
+    ``inplace=True``), ``out=`` tensors, and what an aten schema marks as written."""
+    if node.op not in ("call_function", "call_method"):
+        return []
+    written: list[Any] = []
+    name = target_name(node)
+    in_place_name = name.endswith("_") and not name.startswith("_") and name not in _METADATA_ONLY
+    if (node.op == "call_function" and node.target in _INPLACE_OPERATORS) or in_place_name:
+        written.append(node.args[0] if node.args else None)
+    if node.kwargs.get("inplace") is True:
+        written.append(node.args[0] if node.args else node.kwargs.get("input"))
+    out = node.kwargs.get("out")
+    written.extend(out if isinstance(out, (tuple, list)) else [out])
+    if node.op == "call_function":
+        written.extend(_schema_writes(node))
+    return [w for w in written if isinstance(w, Node)]
+
+
+def storage(node: Any) -> Any:
+    """An identity for the memory behind a node's tensor (views share it), or None."""
+    value = p.tensor_value(node)
+    if value is None:
+        return None
+    try:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        return StorageWeakRef(value.untyped_storage()).cdata
+    except (RuntimeError, NotImplementedError):  # e.g. sparse or opaque subclass tensors
+        return None
+
+
+def first_write(
+    read: Iterable[Node], start: Node, stop: Node, order: dict[Node, int]
+) -> tuple[Node, Node] | None:
+    """(writer, node read) for the first node after ``start`` up to ``stop`` that writes the
+    memory of a node in ``read``; None if there is none."""
+    by_storage: dict[Any, Node] = {}
+    for node in read:
+        key = storage(node)
+        if key is not None:
+            by_storage.setdefault(key, node)
+    first, last = order[start], order[stop]
+    for node in list(start.graph.nodes)[first + 1 : last + 1]:
+        for target in written_operands(node):
+            key = storage(target)
+            if key is None:  # an untracked write: assume the worst of any operand we read
+                return node, target
+            if key in by_storage:
+                return node, by_storage[key]
+    return None
+
+
+def grad_mode_changes(start: Node, stop: Node, order: dict[Node, int]) -> bool:
+    """Does grad mode switch anywhere between ``start`` and ``stop`` (either order)?"""
+    first, last = sorted((order[start], order[stop]))
+    return any(
+        node.op == "call_function" and node.target in _GRAD_MODE_SWITCHES
+        for node in list(start.graph.nodes)[first:last]
+    )
+
+
+def nodes_in(value: Any) -> list[Node]:
+    """The graph nodes inside an argument (nested tuples, lists and slices)."""
+    if isinstance(value, Node):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [n for item in value for n in nodes_in(item)]
+    if isinstance(value, slice):
+        return nodes_in((value.start, value.stop, value.step))
+    return []
+
+
+def ready_after(inputs: Iterable[Any], order: dict[Node, int]) -> int:
+    """The position after which every node in ``inputs`` exists."""
+    return max((order[n] for n in nodes_in(list(inputs)) if n in order), default=-1)
+
+
+def requires_grad(node: Any) -> bool:
+    value = p.tensor_value(node)
+    return bool(value is not None and value.requires_grad)
+
+
+def bad_constant(name: str, value: Any, *, zero_ok: bool = True) -> str | None:
+    """Why a constant option cannot be handed to the op as is, or None (nodes pass: the op
+    checks their run-time values)."""
+    if isinstance(value, Node) or value is None:
+        return None
+    if not -math.inf < float(value) < math.inf:
+        return f"{name} is {value}"
+    if not zero_ok and float(value) == 0.0:
+        return f"{name} is 0"
+    return None

@@ -1,0 +1,43 @@
+"""The implementation version: a hash of the sources that define what the ops compute.
+
+PyTorch's AOTAutograd and FX graph caches key a custom op by its name and arguments only, not
+by its autograd formula or kernels. Every caller passes ``IMPLEMENTATION_VERSION`` as the op's
+last argument, so an upgrade of cce_compile misses the caches instead of replaying a backward
+graph traced from old code, and a stale graph that reaches the op fails loudly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+
+_PACKAGE = pathlib.Path(__file__).parent
+# The graph pass, the demo and the settings' plumbing do not change what the op computes.
+_NOT_OP_SOURCES = {"backend.py", "_autoenable.py", "__init__.py", "functional.py"}
+
+
+def op_sources() -> list[pathlib.Path]:
+    """The files that define the ops: their math, kernels, dispatch and autograd."""
+    files = [p for p in sorted(_PACKAGE.glob("*.py")) if p.name not in _NOT_OP_SOURCES]
+    return files + sorted((_PACKAGE / "kernels").glob("*.py"))
+
+
+def _source_hash() -> int:
+    """A 31-bit hash of ``op_sources()``."""
+    digest = hashlib.sha256()
+    for path in op_sources():
+        digest.update(path.read_bytes())
+    return int.from_bytes(digest.digest()[:4], "little") & 0x7FFFFFFF
+
+
+IMPLEMENTATION_VERSION = _source_hash()
+
+
+def check(version: int) -> None:
+    """Raise if a graph built by another cce_compile calls the op."""
+    if version != IMPLEMENTATION_VERSION:
+        raise RuntimeError(
+            f"cce::linear_cross_entropy was called with implementation_version {version}, "
+            f"this cce_compile is {IMPLEMENTATION_VERSION}: a stale compiled graph; clear the "
+            "torch.compile caches (TORCHINDUCTOR_CACHE_DIR)"
+        )
