@@ -72,6 +72,14 @@ def test_explain_reports_sites_and_fixes():
     assert report.saved_bytes == 10 * 11 * (4 + 4)
 
 
+def test_explain_with_the_pass_disabled_reports_the_match_as_kept():
+    with cce_compile.config.override(disable=True):
+        report = cce_compile.explain(loss, *small_inputs())
+    (site,) = report.sites
+    assert not site.rewritten and site.reason == "disabled" and site.rows == 10
+    assert "fix: unset CCE_DISABLE" in str(report) and report.saved_bytes == 0
+
+
 CACHE_SCRIPT = textwrap.dedent(
     """
     import torch, torch.nn.functional as F

@@ -15,6 +15,8 @@ from oracle import LOSS_RTOL, LOSS_RTOL_ROUNDED_LOGITS
 from strategies import DTYPE_IDS, DTYPES, build_case, cases
 from test_functional import run_and_compare as _run_and_compare
 
+import cce_compile
+
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
@@ -24,9 +26,9 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True)
 def triton_dispatch(monkeypatch):
-    from cce_compile import ops, triton_path
+    from cce_compile import execution, triton_path
 
-    monkeypatch.setattr(ops, "_implementation", lambda device: triton_path)
+    monkeypatch.setattr(execution, "implementation_for", lambda device: triton_path)
 
 
 def run_and_compare(case, mode="auto", **flags):
@@ -167,3 +169,23 @@ def test_gpu_tile_choice(dim, heavy, elem_bytes, expected):
 
     config = triton_path._tile_config(torch.device("cuda"), heavy, elem_bytes, dim=dim)
     assert (config.block_n, config.block_v, config.num_warps) == expected
+
+
+@pytest.mark.parametrize("mode", ["lean", "fast"])
+@pytest.mark.parametrize(
+    "leading, shift", [((0, 5), 0), ((0, 5), 1), ((3, 0), 0)], ids=["B0", "B0-shift", "T0"]
+)
+def test_empty_batch(leading, shift, mode):
+    """No rows: a NaN mean (PyTorch's 0 / 0) and all-zero gradients, every one written."""
+    case = to_device(build_case(leading=leading, dim=20, vocab=33, bias=True, shift=shift))
+    for t in (case.hidden, case.classifier, case.bias):
+        t.requires_grad_()
+    loss = cce_compile.linear_cross_entropy(
+        case.hidden, case.classifier, case.targets, case.bias, shift=shift, mode=mode
+    )
+    assert torch.isnan(loss)
+    grads = torch.autograd.grad(loss.nan_to_num(), [case.hidden, case.classifier, case.bias])
+    assert all(
+        g.shape == t.shape and torch.count_nonzero(g) == 0
+        for g, t in zip(grads, (case.hidden, case.classifier, case.bias))
+    )

@@ -102,7 +102,7 @@ def check_operands(hidden, classifier, targets, bias, class_weights, shift):
         raise ValueError(f"bias shape {tuple(bias.shape)} != ({vocab},)")
     if class_weights is not None and class_weights.shape != (vocab,):
         raise ValueError(f"class_weights shape {tuple(class_weights.shape)} != ({vocab},)")
-    if not 0 <= shift < time:
+    if shift < 0 or (shift and shift >= time):  # T = 0 (no rows) takes shift 0
         raise ValueError(f"shift {shift} outside [0, {time})")
     if classifier.stride(1) != 1:
         classifier = classifier.contiguous()

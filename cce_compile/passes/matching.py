@@ -51,7 +51,8 @@ class Site:
     log_softmax: Node | None  # the nll_loss form's log_softmax
     transposes: list[Node]  # W.T nodes of a matmul head: erased with the chain when unused
     row_indices: list[Any]  # row slices to replay on hidden, in forward order
-    targets: Node
+    targets: Node  # what the op reads: the loss's target through views (element_source)
+    loss_targets: Node  # the loss's own target argument
     class_weights: Node | None
     ignore_index: int
     reduction: str
@@ -287,11 +288,12 @@ def match_site(loss: Node, order: dict[Node, int] | None = None) -> Site | Rejec
         head, chain, loss, options["log_softmax"], z_level
     )
     rows_at_hidden = _rows_at_hidden(head, chain)
+    targets = p.element_source(options["target"])
     inputs = [
         hidden,
         classifier,
         bias,
-        options["target"],
+        targets,
         options["weight"],
         options["label_smoothing"],
         walk.softcap,
@@ -306,9 +308,10 @@ def match_site(loss: Node, order: dict[Node, int] | None = None) -> Site | Rejec
         # The op serves a logsumexp only with its rows, before the logsumexp's first consumer,
         # at a point where its inputs exist and the loss's grad mode holds.
         first = min([loss, *user.users], key=order.__getitem__)
+        sizes_from = [shape, options["target"] if shape == "targets" else None]
         servable = (
             shape is not None
-            and order[first] > max(ready, safety.ready_after([shape], order))
+            and order[first] > max(ready, safety.ready_after(sizes_from, order))
             and safety.requires_grad(user) == safety.requires_grad(loss)
             and not safety.grad_mode_changes(first, loss, order)
         )
@@ -318,6 +321,21 @@ def match_site(loss: Node, order: dict[Node, int] | None = None) -> Site | Rejec
         else:
             lse_users.remove(user)
             escaping.append(user)
+    # Eager reads the head's operands and the logits from the head to their last consumer,
+    # the targets and weights at the loss; the op reads all of them at the anchor.
+    last = max([loss, *lse_users], key=order.__getitem__)
+    written = safety.first_write([hidden, classifier, bias, head, *chain], head, last, order)
+    written = written or safety.first_write(
+        [targets, options["target"], options["weight"]], anchor, loss, order
+    )
+    if written is not None:
+        writer, target = written
+        return _reject(
+            loss,
+            MUTATION,
+            f"{writer.name} ({safety.target_name(writer)}) writes {target.name} in place "
+            "between the head and the loss",
+        )
     if escaping and config.get().escaping_logits != "rewrite":
         users = ", ".join(
             sorted({u.name for n in escaping for u in _outside_users(n, chain, loss)})
@@ -327,17 +345,6 @@ def match_site(loss: Node, order: dict[Node, int] | None = None) -> Site | Rejec
             ESCAPES,
             f"logits are also used by {users}; compile the loss step "
             "so the logits die inside the graph, or set CCE_ESCAPING_LOGITS=rewrite",
-        )
-    last = max([loss, *lse_users], key=order.__getitem__)
-    read = [hidden, classifier, bias, options["target"], options["weight"], head, *chain]
-    written = safety.first_write([n for n in read if isinstance(n, Node)], head, last, order)
-    if written is not None:
-        writer, target = written
-        return _reject(
-            loss,
-            MUTATION,
-            f"{writer.name} ({safety.target_name(writer)}) writes {target.name} in place "
-            "between the head and the loss",
         )
     loss_input = options["log_softmax"] or options["logits"]
     return Site(
@@ -353,7 +360,8 @@ def match_site(loss: Node, order: dict[Node, int] | None = None) -> Site | Rejec
         log_softmax=options["log_softmax"],
         transposes=transposes,
         row_indices=list(reversed(walk.row_indices)),
-        targets=options["target"],
+        targets=targets,
+        loss_targets=options["target"],
         class_weights=options["weight"],
         ignore_index=options["ignore_index"],
         reduction=options["reduction"],

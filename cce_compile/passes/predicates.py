@@ -20,7 +20,8 @@ _MATMUL_FUNCTIONS = {operator.matmul, torch.matmul, torch.mm}
 _TANH = {torch.tanh}
 _LOGSUMEXP = {torch.logsumexp}
 _LOG_SOFTMAX = {F.log_softmax, torch.log_softmax}
-_PASSTHROUGH_METHODS = {"contiguous", "clone"}
+# Same values, same rows (gradient flow aside: the pass reads it from requires_grad).
+_PASSTHROUGH_METHODS = {"contiguous", "clone", "detach"}
 _VIEW_METHODS = {"view", "reshape", "flatten"}
 _VIEW_FUNCTIONS = {torch.reshape, torch.flatten}
 
@@ -190,8 +191,32 @@ def cast_dtype(node: Any) -> torch.dtype | None:
 
 
 def is_passthrough(node: Any) -> bool:
-    """``contiguous()`` / ``clone()``: same values, same rows."""
+    """``contiguous()`` / ``clone()`` / ``detach()``: same values, same rows."""
     return is_method(node, _PASSTHROUGH_METHODS)
+
+
+def is_no_op_move(node: Any) -> bool:
+    """``x.to(...)`` that keeps x's dtype and device (Hugging Face's ``labels.to(device)``)."""
+    if not is_method(node, {"to"}):
+        return False
+    before, after = tensor_value(node.args[0]), tensor_value(node)
+    return (
+        before is not None
+        and after is not None
+        and (before.dtype, before.device) == (after.dtype, after.device)
+    )
+
+
+def element_source(node: Any) -> Any:
+    """The tensor whose elements, in order, ``node`` holds: through views, reshapes, flattens,
+    contiguous() and no-op moves (the op reshapes targets itself)."""
+    while isinstance(node, Node) and (
+        is_method(node, _VIEW_METHODS | {"contiguous"})
+        or is_call(node, _VIEW_FUNCTIONS)
+        or is_no_op_move(node)
+    ):
+        node = node.args[0]
+    return node
 
 
 def is_row_view(node: Any) -> bool:

@@ -176,10 +176,11 @@ def rewrite_site(graph: Graph, site: Site) -> Node:
             implementation_version=IMPLEMENTATION_VERSION,
         ),
     )
-    new_loss = emit(operator.getitem, op, 0)
+    at_loss = _Emitter(graph, loss)  # the loss's replacement may need its target's sizes
+    new_loss = at_loss(operator.getitem, op, 0)
     if site.reduction == "none":
-        new_loss = emit(aten.reshape.default, new_loss, _shape_of(emit, site.targets))
-    new_loss = _cast(emit, new_loss, p.tensor_value(loss).dtype)
+        new_loss = at_loss(aten.reshape.default, new_loss, _shape_of(at_loss, site.loss_targets))
+    new_loss = _cast(at_loss, new_loss, p.tensor_value(loss).dtype)
     loss.replace_all_uses_with(new_loss)
     if site.lse_users:
         lse = emit(operator.getitem, op, 1)
@@ -214,7 +215,7 @@ def _lse_shape(emit: _Emitter, user: Node, shape: Any, site: Site, rows: Node) -
     if isinstance(shape, list):  # the user's own sizes: ints and the graph's SymInt nodes
         return shape
     if shape == "targets":
-        return _shape_of(emit, site.targets)
+        return _shape_of(emit, site.loss_targets)
     if shape == "rows":
         value = p.tensor_value(rows)
         if not any(isinstance(s, torch.SymInt) for s in value.shape):

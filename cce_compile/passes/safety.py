@@ -105,12 +105,14 @@ def storage(node: Any) -> Any:
 
 
 def first_write(
-    read: Iterable[Node], start: Node, stop: Node, order: dict[Node, int]
+    read: Iterable[Any], start: Node, stop: Node, order: dict[Node, int]
 ) -> tuple[Node, Node] | None:
     """(writer, node read) for the first node after ``start`` up to ``stop`` that writes the
-    memory of a node in ``read``; None if there is none."""
+    memory of a node in ``read`` (non-nodes are skipped); None if there is none."""
     by_storage: dict[Any, Node] = {}
     for node in read:
+        if not isinstance(node, Node):
+            continue
         key = storage(node)
         if key is not None:
             by_storage.setdefault(key, node)

@@ -98,8 +98,9 @@ def test_every_setting_that_changes_the_rewrite_changes_the_uuid():
 def test_warm_cache_compiled_under_another_budget_is_not_replayed(monkeypatch):
     """Auto mode picks lean under a small budget and fast under a large one; a graph cached
     under one budget must not be replayed under the other."""
-    from cce_compile import execution
     from torch._inductor.utils import fresh_cache
+
+    from cce_compile import execution
 
     modes = []
     real_forward = execution.forward
