@@ -68,7 +68,7 @@ def forward(args: Bound) -> ForwardOut:
     spec = args.spec()
     check_targets(args.targets, args.class_weights, spec, args.classifier.shape[0])
     with float32_math(args.hidden.device):
-        return implementation_for(args.hidden.device).forward(
+        out = implementation_for(args.hidden.device).forward(
             args.hidden,
             args.classifier,
             args.targets,
@@ -79,7 +79,20 @@ def forward(args: Bound) -> ForwardOut:
             fast=args.mode == "fast",
             needs=needs_of(args),
             budget_bytes=budget_bytes(),
+            compute_dtype=_compute_dtype(args),
         )
+    if out.grad_hidden is not None:  # the op returns it in hidden's own dtype
+        out.grad_hidden = out.grad_hidden.to(args.hidden.dtype)
+    return out
+
+
+def _compute_dtype(args: Bound) -> torch.dtype | None:
+    """The compute dtype where it rounds an input (None where every input has it)."""
+    dtype = args.compute_dtype
+    inputs = (args.hidden, args.classifier, args.bias)
+    if dtype is None or all(t is None or t.dtype == dtype for t in inputs):
+        return None
+    return dtype
 
 
 def backward(args: Bound) -> Gradients:
@@ -119,6 +132,7 @@ def backward(args: Bound) -> Gradients:
                 lse_all_rows=args.lse_all_rows,
                 needs=needs,
                 budget_bytes=budget_bytes(),
+                compute_dtype=_compute_dtype(args),
             )
             for i, (extra, like) in enumerate(zip(computed, inputs)):
                 if extra is not None:

@@ -209,8 +209,9 @@ def linear_cross_entropy(
     Args:
         hidden: (..., D) float32, bfloat16 or float16; the last hidden states.
         classifier: (V, D), hidden's dtype; the lm_head weight (tied embeddings allowed).
-            Under autocast (CPU or CUDA) hidden, classifier and bias are first cast to the
-            autocast dtype, as ``F.linear`` does there; the loss is float32 either way.
+            Under autocast (CPU or CUDA) any float dtypes mix: hidden, classifier and bias are
+            rounded to the autocast dtype inside the op, as ``F.linear`` rounds them there, and
+            their gradients come back in their own dtypes; the loss is float32 either way.
         targets: (...) int64 or int32 class indices, hidden's leading shape.
         bias: optional (V,) bias of the head.
         ignore_index: targets equal to it contribute nothing.
@@ -243,11 +244,12 @@ def linear_cross_entropy(
     _validate_options(
         hidden, ignore_index, reduction, label_smoothing, softcap, logit_scale, shift, z_loss, mode
     )
+    # Under autocast F.linear rounds its inputs to the autocast dtype: the op does the same
+    # inside, and returns gradients in the inputs' own dtypes (float32 weights keep float32
+    # gradients, with no rounded copy of the classifier).
     compute_dtype = _autocast_dtype(hidden.device)
-    if compute_dtype is not None:  # what autocast does to F.linear's inputs
-        hidden, classifier = hidden.to(compute_dtype), classifier.to(compute_dtype)
-        bias = None if bias is None else bias.to(compute_dtype)
-    _validate_dtypes(hidden, classifier, bias)
+    if compute_dtype is None:
+        _validate_dtypes(hidden, classifier, bias)
     dim = hidden.shape[-1]
     leading = tuple(hidden.shape[:-1])
     time = leading[-1] if leading else 1
@@ -284,12 +286,21 @@ def linear_cross_entropy(
             spec,
             lse_all_rows=return_lse,
             budget_bytes=execution.budget_bytes(),
+            compute_dtype=compute_dtype,
             logit_scale=torch.as_tensor(logit_scale, device=hidden.device),
             softcap=None if softcap is None else torch.as_tensor(softcap, device=hidden.device),
         )
     else:
         loss, lse = _call_op(
-            hidden3, classifier, targets2, bias, class_weights, options, mode, return_lse
+            hidden3,
+            classifier,
+            targets2,
+            bias,
+            class_weights,
+            compute_dtype,
+            options,
+            mode,
+            return_lse,
         )
     if reduction == "none":
         loss = loss.reshape(rows_shape)
@@ -298,7 +309,9 @@ def linear_cross_entropy(
     return loss
 
 
-def _call_op(hidden, classifier, targets, bias, class_weights, options, mode, return_lse):
+def _call_op(
+    hidden, classifier, targets, bias, class_weights, compute_dtype, options, mode, return_lse
+):
     """(loss, lse) from ``torch.ops.cce.linear_cross_entropy`` in the chosen mode."""
     grad_on = torch.is_grad_enabled()
     needs_h = grad_on and hidden.requires_grad
@@ -323,6 +336,7 @@ def _call_op(hidden, classifier, targets, bias, class_weights, options, mode, re
             targets=targets,
             bias=bias,
             class_weights=class_weights,
+            compute_dtype=compute_dtype,
             **options,
             lse_all_rows=return_lse,
             mode=chosen,

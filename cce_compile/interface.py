@@ -63,9 +63,11 @@ class Implementation(Protocol):
         fast: bool,
         needs: Needs,
         budget_bytes: int,
+        compute_dtype: torch.dtype | None = None,
     ) -> ForwardOut:
         """Loss and per-row lse; with ``fast``, also the gradients in ``needs`` for a unit
-        upstream gradient of the loss."""
+        upstream gradient of the loss. ``compute_dtype``: the dtype the head's operands are
+        rounded to before the GEMM (None: their own, which then agree)."""
 
     def backward(
         self,
@@ -82,6 +84,7 @@ class Implementation(Protocol):
         lse_all_rows: bool,
         needs: Needs,
         budget_bytes: int,
+        compute_dtype: torch.dtype | None = None,
     ) -> Gradients:
         """Gradients in ``needs`` from upstream ``grad_loss`` ('none': (N,)) and ``grad_lse``
         ((N,)), either may be None; hidden's in its dtype, the others float32 or input dtype."""

@@ -19,10 +19,14 @@ from .loss_math import LossSpec
 _SCHEMA_TYPES = {"int": "int", "str": "str", "float": "float", "float | None": "float?"}
 
 
+_REQUIRED = object()
+
+
 @dataclasses.dataclass(frozen=True)
 class Argument:
     name: str
     schema_type: str  # as written in a torch.library schema: "Tensor", "Tensor?", "int", ...
+    default: Any = _REQUIRED  # what ``Signature.build`` passes when a caller leaves it out
 
 
 class Bound:
@@ -58,7 +62,12 @@ class Signature:
         return f"({params}) -> {returns}"
 
     def build(self, **values: Any) -> tuple:
-        """The positional arguments of a call; every name must be given, no other."""
+        """The positional arguments of a call: every argument without a default must be
+        given, and no unknown name."""
+        values = {
+            **{a.name: a.default for a in self.arguments if a.default is not _REQUIRED},
+            **values,
+        }
         missing = [n for n in self.names if n not in values]
         unknown = sorted(set(values) - set(self.names))
         if missing or unknown:
@@ -87,6 +96,10 @@ _INPUTS = [
     Argument("targets", "Tensor"),  # (B, T) int
     Argument("bias", "Tensor?"),  # (V,)
     Argument("class_weights", "Tensor?"),  # (V,)
+    # The head's GEMM dtype: hidden, classifier and bias are rounded to it as autocast rounds
+    # F.linear's inputs (None: their own dtype, which must then agree). Gradients come back in
+    # the inputs' own dtypes, so float32 weights get float32 gradients with no bf16 copy.
+    Argument("compute_dtype", "ScalarType?", default=None),
 ]
 # Which gradients the caller wants (fast mode computes exactly these in the forward).
 GRAD_FLAGS = ("grad_hidden", "grad_classifier", "grad_bias")

@@ -110,7 +110,7 @@ linear_cross_entropy_backward = torch.library.custom_op(
 )
 linear_cross_entropy_backward.register_fake(_backward_fake)
 
-_PASSED_ON = (*LOSS_OPTIONS, "lse_all_rows")  # from the forward's arguments to the backward's
+_PASSED_ON = ("compute_dtype", *LOSS_OPTIONS, "lse_all_rows")  # forward -> backward
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -145,11 +145,16 @@ def scale_to(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     return torch.mul(x, scale.float()).to(dtype)
 
 
-def _prepare(hidden, classifier, targets, bias, class_weights, spec):
+def _float(t: torch.Tensor, compute_dtype: torch.dtype | None) -> torch.Tensor:
+    """t as float32 after rounding to the head's compute dtype (autocast's rounding)."""
+    return (t if compute_dtype is None else t.to(compute_dtype)).float()
+
+
+def _prepare(hidden, classifier, targets, bias, class_weights, spec, compute_dtype):
     vocab = classifier.shape[0]
     rows = row_targets(targets, class_weights, spec, vocab)
-    c32 = classifier.float()
-    b32 = bias.float() if bias is not None else None
+    c32 = _float(classifier, compute_dtype)
+    b32 = _float(bias, compute_dtype) if bias is not None else None
     w32 = class_weights.float() if class_weights is not None else None
     return vocab, rows, c32, b32, w32
 
@@ -166,9 +171,12 @@ def forward(
     fast: bool,
     needs: Needs,
     budget_bytes: int,
+    compute_dtype: torch.dtype | None = None,
 ) -> ForwardOut:
     """Loss and per-row lse; with ``fast``, also the gradients for a unit upstream gradient."""
-    vocab, rows, c32, b32, w32 = _prepare(hidden, classifier, targets, bias, class_weights, spec)
+    vocab, rows, c32, b32, w32 = _prepare(
+        hidden, classifier, targets, bias, class_weights, spec, compute_dtype
+    )
     rows_io = _Rows(hidden, spec.shift)
     n_rows = rows.targets.numel()
     lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
@@ -177,7 +185,7 @@ def forward(
     acc = _Accumulators(hidden, classifier, bias, needs) if fast and needs.any else None
     unit = torch.ones((), device=hidden.device)
     for start, stop in _chunks(n_rows, chunk_rows(vocab, budget_bytes)):
-        h32 = rows_io.read(start, stop).float()
+        h32 = _float(rows_io.read(start, stop), compute_dtype)
         z = _logits(h32, c32, b32, spec.logit_scale, spec.softcap)
         chunk_rows_ = rows.slice(start, stop)
         lse[start:stop] = torch.logsumexp(z, dim=-1)
@@ -211,9 +219,12 @@ def backward(
     lse_all_rows: bool,
     needs: Needs,
     budget_bytes: int,
+    compute_dtype: torch.dtype | None = None,
 ) -> Gradients:
     """Gradients for hidden (its dtype) and float32 accumulators for classifier and bias."""
-    vocab, rows, c32, b32, w32 = _prepare(hidden, classifier, targets, bias, class_weights, spec)
+    vocab, rows, c32, b32, w32 = _prepare(
+        hidden, classifier, targets, bias, class_weights, spec, compute_dtype
+    )
     rows_io = _Rows(hidden, spec.shift)
     n_rows = rows.targets.numel()
     acc = _Accumulators(hidden, classifier, bias, needs)
@@ -232,7 +243,7 @@ def backward(
             vocab,
             lse_all_rows,
         )
-        h32 = rows_io.read(start, stop).float()
+        h32 = _float(rows_io.read(start, stop), compute_dtype)
         z = _logits(h32, c32, b32, spec.logit_scale, spec.softcap)
         grad = _grad_from_logits(z, lse[start:stop], coefs, chunk_rows_, w32, spec)
         acc.add(rows_io, start, stop, grad, h32, c32)
@@ -249,6 +260,7 @@ def differentiable_loss(
     *,
     lse_all_rows: bool,
     budget_bytes: int,
+    compute_dtype: torch.dtype | None = None,
     logit_scale: torch.Tensor | None = None,
     softcap: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,14 +271,16 @@ def differentiable_loss(
     forbid it). Reverse mode keeps every chunk's float32 logits for the backward, as eager
     PyTorch keeps its logits; forward mode keeps none.
     """
-    vocab, rows, c32, b32, w32 = _prepare(hidden, classifier, targets, bias, class_weights, spec)
+    vocab, rows, c32, b32, w32 = _prepare(
+        hidden, classifier, targets, bias, class_weights, spec, compute_dtype
+    )
     scale = spec.logit_scale if logit_scale is None else logit_scale
     cap = spec.softcap if softcap is None else softcap
     rows_io = _Rows(hidden, spec.shift)
     n_rows = rows.targets.numel()
     stats: list[list[torch.Tensor]] = [[], [], []]  # lse, target logit, wsum per chunk
     for start, stop in _chunks(n_rows, chunk_rows(vocab, budget_bytes)):
-        z = _logits(rows_io.read(start, stop).float(), c32, b32, scale, cap)
+        z = _logits(_float(rows_io.read(start, stop), compute_dtype), c32, b32, scale, cap)
         stats[0].append(torch.logsumexp(z, dim=-1))
         stats[1].append(z.gather(1, rows.safe[start:stop, None])[:, 0])
         if spec.needs_wsum:

@@ -91,6 +91,11 @@ def _tile_config(
     )
 
 
+def _rounded(compute_dtype: torch.dtype | None, *tensors):
+    """The head's operands in the compute dtype (copies where it rounds them)."""
+    return tuple(t if t is None or compute_dtype is None else t.to(compute_dtype) for t in tensors)
+
+
 def _heavy(spec: LossSpec, class_weights: torch.Tensor | None) -> bool:
     return bool(spec.softcap or spec.label_smoothing or class_weights is not None)
 
@@ -152,7 +157,9 @@ def forward(
     fast: bool,
     needs: Needs,
     budget_bytes: int,
+    compute_dtype: torch.dtype | None = None,
 ) -> ForwardOut:
+    hidden, classifier, bias = _rounded(compute_dtype, hidden, classifier, bias)
     vocab = classifier.shape[0]
     rows = row_targets(targets, class_weights, spec, vocab)
     if fast and needs.any:
@@ -279,7 +286,9 @@ def backward(
     lse_all_rows: bool,
     needs: Needs,
     budget_bytes: int,
+    compute_dtype: torch.dtype | None = None,
 ) -> Gradients:
+    hidden, classifier, bias = _rounded(compute_dtype, hidden, classifier, bias)
     vocab, dim = classifier.shape
     device = hidden.device
     # Once here rather than in every slab's launch: the contiguous copies it may make.

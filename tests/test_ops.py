@@ -120,6 +120,18 @@ def test_opcheck_half_dtypes(dtype, mode):
     torch.library.opcheck(OP, op_args(options, dtype=dtype))
 
 
+@pytest.mark.parametrize("mode", ["lean", "fast"])
+def test_opcheck_float32_inputs_with_a_half_compute_dtype(mode):
+    """Autocast's form: float32 weights and hidden, bf16 GEMM; gradients stay float32."""
+    options = dict(reduction="sum", mode=mode, bias=True, class_weights=True, shift=1)
+    args = FORWARD.bind(op_args({**options, "lse_all_rows": False, **NUMERIC["numeric"]}))
+    call = FORWARD.build(**{**args.pick(FORWARD.names), "compute_dtype": torch.bfloat16})
+    torch.library.opcheck(OP, call)
+    loss = OP(*call)[0]
+    grads = torch.autograd.grad(loss, [args.hidden, args.classifier, args.bias])
+    assert [g.dtype for g in grads] == [torch.float32] * 3
+
+
 def _meta(t: torch.Tensor):
     return (tuple(t.shape), t.dtype, tuple(t.stride()) if t.numel() else None)
 
