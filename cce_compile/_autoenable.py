@@ -4,7 +4,8 @@
 interpreter start. It must stay cheap and harmless: it reads the settings (no torch import) and,
 only when CCE_COMPILE is set, installs a finder that runs :func:`cce_compile.enable` right after
 ``import torch`` finishes, so a script that never imports cce_compile still gets the pass for
-plain ``torch.compile(model)``.
+plain ``torch.compile(model)``. It never prints a traceback: a bad setting or a failure to
+enable is one line on stderr (only when CCE_COMPILE asks for the hook), and the script runs on.
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ def _enable() -> None:
         from .passes.install import enable
 
         enable()
-    except Exception:  # never break the user's `import torch`
-        log.warning("CCE_COMPILE=1: could not enable the cce_compile pass", exc_info=True)
+    except Exception as error:  # never break the user's `import torch`
+        log.warning(
+            "cce_compile: CCE_COMPILE=1 could not enable the pass: %s: %s",
+            type(error).__name__,
+            error,
+        )
 
 
 class _AfterTorchImport(importlib.abc.MetaPathFinder):
@@ -50,7 +55,13 @@ class _AfterTorchImport(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    if not config.get().auto_enable:
+    if not config.auto_enable_requested():
+        return
+    try:
+        if not config.get().auto_enable:
+            return
+    except config.SettingsError as error:
+        log.warning("cce_compile: %s; CCE_COMPILE did not enable the pass", error)
         return
     if "torch" in sys.modules:
         _enable()

@@ -3,7 +3,9 @@
 Every variable is documented in the table in README.md ("Settings"). The settings are a frozen
 dataclass read once at import; code changes them with :func:`override` (a context manager, for
 tests and scoped use) or :func:`update`. Nothing here imports torch, so the start-up hook that
-``CCE_COMPILE=1`` installs stays cheap.
+``CCE_COMPILE=1`` installs stays cheap. A bad value is a :class:`SettingsError` whose one-line
+message names the variable and its allowed values; it is raised when the settings are first
+used (``get()``), never at import, so that the start-up hook can report it in one line.
 """
 
 from __future__ import annotations
@@ -14,45 +16,60 @@ import os
 from collections.abc import Iterator, Mapping
 
 MODES = ("auto", "lean", "fast")
-ESCAPE_POLICIES = ("keep", "rewrite")
+ESCAPE_POLICIES = ("keep", "rewrite", "drop")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
-def _rewrite(default: object):
+class SettingsError(ValueError):
+    """A setting with a value it cannot take; the message is one line."""
+
+
+def _setting(variable: str, default: object, *, rewrite: bool = False):
+    """A setting read from ``variable``; ``rewrite``: it changes what the graph pass emits
+    (part of the pass's cache key)."""
+    return dataclasses.field(default=default, metadata={"env": variable, "rewrite": rewrite})
+
+
+def _rewrite(variable: str, default: object):
     """A setting that changes what the graph pass emits: part of its cache key."""
-    return dataclasses.field(default=default, metadata={"rewrite": True})
+    return _setting(variable, default, rewrite=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """What changes how the op computes and what the graph pass rewrites."""
 
-    auto_enable: bool = False
+    auto_enable: bool = _setting("CCE_COMPILE", False)
     """CCE_COMPILE: install the graph pass for plain torch.compile at `import torch`."""
-    mode: str = _rewrite("auto")
+    mode: str = _rewrite("CCE_MODE", "auto")
     """CCE_MODE: 'lean' (recompute in backward), 'fast' (gradients during forward), 'auto'."""
-    memory_budget_mb: int = _rewrite(4096)
+    memory_budget_mb: int = _rewrite("CCE_MEMORY_BUDGET_MB", 4096)
     """CCE_MEMORY_BUDGET_MB: extra memory the loss may use: fast mode's accumulator and chunk,
     the CPU path's chunk, and auto's limit for choosing fast mode."""
-    escaping_logits: str = _rewrite("keep")
+    escaping_logits: str = _rewrite("CCE_ESCAPING_LOGITS", "keep")
     """CCE_ESCAPING_LOGITS: 'keep' leaves a site whose logits escape alone; 'rewrite' fuses
-    the loss anyway and keeps the escaping logits (and their gradient path) intact."""
-    check_targets: bool = False
+    the loss anyway and keeps the escaping logits (and their gradient path) intact; 'drop'
+    (training graphs) fuses the loss and returns the logits as a tensor without data (device
+    'meta'), so that any use of them raises."""
+    check_targets: bool = _setting("CCE_CHECK_TARGETS", False)
     """CCE_CHECK_TARGETS: on GPU, raise on targets outside [0, V) (costs a host sync)."""
-    disable: bool = _rewrite(False)
+    disable: bool = _rewrite("CCE_DISABLE", False)
     """CCE_DISABLE: the graph pass rewrites nothing (sites are still reported)."""
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.escaping_logits not in ESCAPE_POLICIES:
-            raise ValueError(
-                f"escaping_logits must be one of {ESCAPE_POLICIES}, got {self.escaping_logits!r}"
+        for name, allowed in (("mode", MODES), ("escaping_logits", ESCAPE_POLICIES)):
+            if getattr(self, name) not in allowed:
+                raise SettingsError(
+                    f"{_env(name)}={getattr(self, name)!r} is not one of {', '.join(allowed)} "
+                    f"(setting {name!r})"
+                )
+        if not isinstance(self.memory_budget_mb, int) or self.memory_budget_mb < 1:
+            raise SettingsError(
+                f"{_env('memory_budget_mb')}={self.memory_budget_mb!r} is not an integer >= 1 "
+                "(MiB; setting 'memory_budget_mb')"
             )
-        if self.memory_budget_mb < 1:
-            raise ValueError(f"memory_budget_mb must be >= 1, got {self.memory_budget_mb}")
 
     def rewrite_key(self) -> str:
         """Every setting that changes what the graph pass emits (part of the pass's uuid)."""
@@ -63,52 +80,74 @@ class Settings:
         )
 
 
+def _fields() -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(Settings)}
+
+
+def _env(name: str) -> str:
+    """The environment variable behind a setting."""
+    return _fields()[name].metadata["env"]
+
+
 def _parse_bool(name: str, raw: str) -> bool:
     value = raw.strip().lower()
     if value in _TRUE:
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
+    raise SettingsError(f"{name}={raw!r} is not one of 0, 1 (also: true/false, yes/no, on/off)")
+
+
+def _parse(field: dataclasses.Field, raw: str) -> object:
+    name = field.metadata["env"]
+    if field.type == "bool":
+        return _parse_bool(name, raw)
+    if field.type == "int":
+        try:
+            return int(raw.strip())
+        except ValueError:
+            raise SettingsError(f"{name}={raw!r} is not an integer (MiB)") from None
+    return raw.strip().lower()
 
 
 def from_environ(environ: Mapping[str, str]) -> Settings:
     """Settings from an environment mapping (unset variables keep their defaults)."""
-    kwargs: dict[str, object] = {}
-    for name, field in (
-        ("CCE_COMPILE", "auto_enable"),
-        ("CCE_CHECK_TARGETS", "check_targets"),
-        ("CCE_DISABLE", "disable"),
-    ):
-        if name in environ:
-            kwargs[field] = _parse_bool(name, environ[name])
-    if "CCE_MODE" in environ:
-        kwargs["mode"] = environ["CCE_MODE"].strip().lower()
-    if "CCE_ESCAPING_LOGITS" in environ:
-        kwargs["escaping_logits"] = environ["CCE_ESCAPING_LOGITS"].strip().lower()
-    if "CCE_MEMORY_BUDGET_MB" in environ:
-        try:
-            kwargs["memory_budget_mb"] = int(environ["CCE_MEMORY_BUDGET_MB"])
-        except ValueError:
-            raise ValueError(
-                f"CCE_MEMORY_BUDGET_MB must be an integer, got {environ['CCE_MEMORY_BUDGET_MB']!r}"
-            ) from None
+    kwargs = {
+        field.name: _parse(field, environ[field.metadata["env"]])
+        for field in dataclasses.fields(Settings)
+        if field.metadata["env"] in environ
+    }
     return Settings(**kwargs)  # type: ignore[arg-type]
 
 
-_current = from_environ(os.environ)
+def auto_enable_requested(environ: Mapping[str, str] = os.environ) -> bool:
+    """Does CCE_COMPILE ask for the start-up hook? A value that is not a clear 'off' does, so
+    that a mistyped one is reported rather than ignored."""
+    return environ.get("CCE_COMPILE", "").strip().lower() not in _FALSE
+
+
+def _from_process_environ() -> tuple[Settings, SettingsError | None]:
+    try:
+        return from_environ(os.environ), None
+    except SettingsError as error:
+        return Settings(), error
+
+
+_current, _environ_error = _from_process_environ()
 
 
 def get() -> Settings:
-    """The settings in force now."""
+    """The settings in force now; raises SettingsError if the environment held a bad value."""
+    if _environ_error is not None:
+        raise _environ_error
     return _current
 
 
 def update(**changes: object) -> Settings:
     """Change settings for the rest of the process; returns the previous settings."""
     global _current
-    previous = _current
-    _current = dataclasses.replace(_current, **changes)  # type: ignore[arg-type]
+    previous = get()
+    _current = dataclasses.replace(previous, **changes)  # type: ignore[arg-type]
     return previous
 
 

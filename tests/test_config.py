@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from cce_compile import config
@@ -35,19 +39,51 @@ def test_every_variable_is_read():
 
 
 @pytest.mark.parametrize(
-    "environ, name",
+    "environ, allowed",
     [
-        ({"CCE_MODE": "turbo"}, "mode"),
-        ({"CCE_COMPILE": "maybe"}, "CCE_COMPILE"),
-        ({"CCE_MEMORY_BUDGET_MB": "lots"}, "CCE_MEMORY_BUDGET_MB"),
-        ({"CCE_MEMORY_BUDGET_MB": "0"}, "memory_budget_mb"),
-        ({"CCE_ESCAPING_LOGITS": "maybe"}, "escaping_logits"),
+        ({"CCE_MODE": "turbo"}, "auto, lean, fast"),
+        ({"CCE_COMPILE": "maybe"}, "0, 1"),
+        ({"CCE_MEMORY_BUDGET_MB": "lots"}, "integer"),
+        ({"CCE_MEMORY_BUDGET_MB": "0"}, "integer >= 1"),
+        ({"CCE_ESCAPING_LOGITS": "maybe"}, "keep, rewrite, drop"),
     ],
     ids=lambda v: v if isinstance(v, str) else "-".join(v),
 )
-def test_bad_values_name_the_variable(environ, name):
-    with pytest.raises(ValueError, match=name):
+def test_bad_values_are_one_line_naming_the_variable_and_allowed_values(environ, allowed):
+    with pytest.raises(config.SettingsError) as raised:
         config.from_environ(environ)
+    ((variable, value),) = environ.items()
+    message = str(raised.value)
+    assert message.startswith(f"{variable}=") and value in message
+    assert allowed in message and "\n" not in message
+
+
+def _python(code: str, **environ: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CCE_")} | environ
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_start_up_hook_is_silent_on_a_bad_value_when_not_asked_to_enable():
+    result = _python("print(1)", CCE_MODE="turbo")
+    assert result.returncode == 0 and result.stdout == "1\n" and result.stderr == ""
+
+
+@pytest.mark.parametrize(
+    "environ", [{"CCE_COMPILE": "1", "CCE_MODE": "turbo"}, {"CCE_COMPILE": "maybe"}]
+)
+def test_start_up_hook_reports_a_bad_value_in_one_line(environ):
+    result = _python("print(1)", **environ)
+    assert result.returncode == 0 and result.stdout == "1\n"
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "did not enable the pass" in result.stderr
+
+
+def test_a_bad_value_raises_when_the_settings_are_used():
+    code = "from cce_compile import config\ntry:\n    config.get()\nexcept config.SettingsError as e:\n    print(e)"
+    result = _python(code, CCE_MODE="turbo")
+    assert result.returncode == 0 and result.stdout.startswith("CCE_MODE='turbo' is not one of")
 
 
 def test_override_restores_even_on_error():
@@ -63,6 +99,7 @@ def test_rewrite_key_tracks_what_changes_the_rewrite():
     base = config.Settings()
     assert base.rewrite_key() != config.Settings(mode="fast").rewrite_key()
     assert base.rewrite_key() != config.Settings(escaping_logits="rewrite").rewrite_key()
+    assert base.rewrite_key() != config.Settings(escaping_logits="drop").rewrite_key()
     assert base.rewrite_key() != config.Settings(memory_budget_mb=5).rewrite_key()
     assert base.rewrite_key() == config.Settings(check_targets=True).rewrite_key()
 
