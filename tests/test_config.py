@@ -81,7 +81,10 @@ def test_start_up_hook_reports_a_bad_value_in_one_line(environ):
 
 
 def test_a_bad_value_raises_when_the_settings_are_used():
-    code = "from cce_compile import config\ntry:\n    config.get()\nexcept config.SettingsError as e:\n    print(e)"
+    code = (
+        "from cce_compile import config\n"
+        "try:\n    config.get()\nexcept config.SettingsError as e:\n    print(e)"
+    )
     result = _python(code, CCE_MODE="turbo")
     assert result.returncode == 0 and result.stdout.startswith("CCE_MODE='turbo' is not one of")
 

@@ -1,10 +1,13 @@
 """The pass: a ``CustomGraphPass`` that rewrites every matched site of a Dynamo graph.
 
 Matches and rejections are counted in ``torch._dynamo.utils.counters["cce_compile"]``
-(``rewritten``, ``skipped:<reason>``) and every rejection is logged at debug level by the
-``cce_compile`` logger; nothing is printed. The pass is idempotent (a rewritten site no longer
-matches), adds no placeholder and recurses into nothing by itself: Inductor's pre-grad hook
-calls it once per (sub)graph, and the backend calls ``run_on_module`` for sub-graphs.
+(``rewritten``, ``skipped:<reason>``). Every rejection is logged at debug level by the
+``cce_compile`` logger when it is found, and once per site and reason (not on every recompile)
+at warning level by the pass, with what to change: a site left alone is never silent.
+Returned logits that ``CCE_ESCAPING_LOGITS=drop`` replaces are logged once per site (info).
+The pass is idempotent (a rewritten site no longer matches), adds no placeholder and
+recurses into nothing by itself: Inductor's pre-grad hook calls it once per (sub)graph, and the
+backend calls ``run_on_module`` for sub-graphs.
 """
 
 from __future__ import annotations
@@ -47,6 +50,26 @@ def pass_uuid() -> str:
     return f"cce_compile:{_source_digest()}:{config.get().rewrite_key()}"
 
 
+_told: set[tuple[str, str]] = set()  # (location, reason) already logged once
+
+
+def _tell_once(described: report.SiteReport) -> None:
+    """Log a site left alone (or whose returned logits were dropped) once per process."""
+    key = (described.location, described.reason or described.logits)
+    if key in _told:
+        return
+    _told.add(key)
+    if not described.rewritten:
+        log.warning("%s", described.one_line())
+    elif described.logits == "dropped":
+        log.info(
+            "cce_compile: the cross-entropy at %s is fused and the logits the graph returned "
+            "are a 'meta' tensor without data (CCE_ESCAPING_LOGITS=drop): any use of them "
+            "raises",
+            described.location,
+        )
+
+
 def run_pass(graph: Graph) -> list[report.SiteReport]:
     """Rewrite every matched site of ``graph``; returns one report per candidate."""
     settings = config.get()
@@ -61,6 +84,7 @@ def run_pass(graph: Graph) -> list[report.SiteReport]:
             if isinstance(found, Site):
                 log.debug("cce_compile: not rewriting %s: disabled", found.loss.name)
             counters["cce_compile"][f"skipped:{described.reason}"] += 1
+        _tell_once(described)
         reports.append(described)
     if any(r.rewritten for r in reports):
         graph.lint()

@@ -65,6 +65,8 @@ class Site:
     lse_side_nodes: list[Node]  # casts between the chain and a served logsumexp
     anchor: Node  # the op goes right before it: the loss, or an lse user's earlier consumer
     detach_operands: bool  # the logits carry no gradient (no_grad / detach on the way)
+    kept_logits: list[Node] = dataclasses.field(default_factory=list)  # escaping, kept alive
+    dropped_logits: list[Node] = dataclasses.field(default_factory=list)  # returned, dropped
 
     @property
     def rows(self) -> Any:
@@ -336,16 +338,14 @@ def match_site(loss: Node, order: dict[Node, int] | None = None) -> Site | Rejec
             f"{writer.name} ({safety.target_name(writer)}) writes {target.name} in place "
             "between the head and the loss",
         )
-    if escaping and config.get().escaping_logits != "rewrite":
-        users = ", ".join(
-            sorted({u.name for n in escaping for u in _outside_users(n, chain, loss)})
-        )
-        return _reject(
-            loss,
-            ESCAPES,
-            f"logits are also used by {users}; compile the loss step "
-            "so the logits die inside the graph, or set CCE_ESCAPING_LOGITS=rewrite",
-        )
+    policy = config.get().escaping_logits
+    returned_only = _returned_only(escaping, head, chain, loss)
+    training = safety.requires_grad(loss)
+    droppable = returned_only and training and _shapes_rebuildable(escaping, hidden, targets)
+    if escaping and not (policy == "rewrite" or (policy == "drop" and droppable)):
+        detail = _escape_detail(escaping, chain, loss, policy, training, returned_only)
+        return _reject(loss, ESCAPES, detail)
+    dropped = escaping if policy == "drop" else []
     loss_input = options["log_softmax"] or options["logits"]
     return Site(
         anchor=anchor,
@@ -372,6 +372,8 @@ def match_site(loss: Node, order: dict[Node, int] | None = None) -> Site | Rejec
         lse_users=lse_users,
         lse_shapes=lse_shapes,
         lse_side_nodes=side_nodes,
+        kept_logits=[] if dropped else escaping,
+        dropped_logits=dropped,
     )
 
 
@@ -422,6 +424,50 @@ def _size_nodes(graph: Graph, shape: tuple) -> list[Any] | None:
         else:
             sizes.append(int(size))
     return sizes
+
+
+def _returned_only(escaping: list[Node], head: Node, chain: list[Node], loss: Node) -> bool:
+    """Is every escaping value one of the logits (head or chain), used outside the chain
+    only as an output of the graph (a model returning its logits)?"""
+    logits = {head, *chain}
+    return all(
+        node in logits and all(u.op == "output" for u in _outside_users(node, chain, loss))
+        for node in escaping
+    )
+
+
+def _shapes_rebuildable(logits: list[Node], hidden: Node, targets: Node) -> bool:
+    """Can every size of these logits be read from a node that outlives them (for the
+    placeholder that replaces them)?"""
+    holders = p.symint_holders(hidden.graph)
+    return all(
+        p.size_source(size, holders, [hidden, targets]) is not None
+        for node in logits
+        for size in p.tensor_value(node).shape
+    )
+
+
+def _escape_detail(
+    escaping: list[Node],
+    chain: list[Node],
+    loss: Node,
+    policy: str,
+    training: bool,
+    returned: bool,
+) -> str:
+    """Who else uses the logits, and the setting that would fuse the loss anyway."""
+    users = sorted({u.name for n in escaping for u in _outside_users(n, chain, loss)})
+    what = "returned by the graph" if returned else f"also used by {', '.join(users)}"
+    if returned and training:
+        fix = "set CCE_ESCAPING_LOGITS=drop (or =rewrite to keep them)"
+    elif returned and policy == "drop":
+        fix = (
+            "CCE_ESCAPING_LOGITS=drop applies to training graphs only (this loss needs no "
+            "gradient); set CCE_ESCAPING_LOGITS=rewrite to fuse it and keep the logits"
+        )
+    else:
+        fix = "set CCE_ESCAPING_LOGITS=rewrite to fuse the loss and keep them"
+    return f"the logits are {what}; compile the loss step so they die inside the graph, or {fix}"
 
 
 def _outside_users(node: Node, chain: list[Node], loss: Node) -> list[Node]:

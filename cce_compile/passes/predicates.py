@@ -8,6 +8,7 @@ parameters are placeholders, and every value node carries ``meta["example_value"
 from __future__ import annotations
 
 import inspect
+import math
 import operator
 from typing import Any
 
@@ -285,4 +286,37 @@ def is_scale(node: Any) -> tuple[Node, Any, bool] | None:
         a, b = node.args[0], node.args[1]
         if tensor_value(a) is not None and scalar(b) is not None:
             return a, b, True
+    return None
+
+
+def symint_holders(graph) -> dict[str, Node]:
+    """Nodes whose example value is a SymInt, by the symbol expression they hold (Dynamo keeps
+    every symbolic input size as such a placeholder)."""
+    holders: dict[str, Node] = {}
+    for node in graph.nodes:
+        value = example_value(node)
+        if isinstance(value, torch.SymInt):
+            holders.setdefault(str(value.node.expr), node)
+    return holders
+
+
+def size_source(size: Any, holders: dict[str, Node], sources: list[Node]) -> Any:
+    """Where a size can be read without the tensor that has it: the int itself, a node holding
+    the SymInt, ``(source, i)`` for dim i of a source tensor, ``(source, None)`` for the product
+    of all but its last dim (a flattening view of the logits); None if nowhere."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    if size.node.maybe_as_int() is not None:  # a SymInt specialised to a constant
+        return size.node.maybe_as_int()
+    if str(size.node.expr) in holders:
+        return holders[str(size.node.expr)]
+    for source in sources:
+        value = tensor_value(source)
+        if value is None:
+            continue
+        for i, candidate in enumerate(value.shape):
+            if same_size(candidate, size):
+                return source, i
+        if value.dim() > 1 and same_size(math.prod(value.shape[:-1]), size):
+            return source, None
     return None

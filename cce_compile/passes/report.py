@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sysconfig
 from collections.abc import Iterator
 
 import torch
@@ -29,8 +30,10 @@ from .matching import (
 
 _FIX = {
     ESCAPES: "compile the step that computes the loss from the model's outputs so the "
-    "logits die inside the graph (e.g. `lambda x, y: model(x, labels=y).loss`), or set "
-    "CCE_ESCAPING_LOGITS=rewrite to fuse the loss and keep the logits",
+    "logits die inside the graph (e.g. `lambda x, y: model(x, labels=y).loss`); when the "
+    "model returns them, CCE_ESCAPING_LOGITS=drop fuses the loss of training graphs and "
+    "returns the logits as a tensor without data; CCE_ESCAPING_LOGITS=rewrite fuses it and "
+    "keeps them",
     GRAPH_BREAK: "remove the graph break between lm_head and the loss "
     "(TORCH_LOGS=graph_breaks shows where it is)",
     DTENSOR: "distributed (DTensor) weights are not supported yet",
@@ -52,21 +55,44 @@ class SiteReport:
     rows: int | None = None
     vocab: int | None = None
     logits_bytes: int | None = None  # what eager stores for this loss: logits + float32 softmax
+    saved_bytes: int = 0  # what the rewrite saves of it (logits kept for other users: less)
+    logits: str = ""  # rewritten: "gone", "kept" (CCE_ESCAPING_LOGITS=rewrite) or "dropped"
 
     def __str__(self) -> str:
         head = f"{'REWRITTEN' if self.rewritten else 'skipped'}  {self.loss}  at {self.location}"
         lines = [head]
         if self.rows is not None:
-            size = f"{self.logits_bytes / 2**20:,.1f} MiB" if self.logits_bytes else "?"
-            lines.append(
-                f"    logits {self.rows} x {self.vocab}: ~{size} of logits memory "
-                + ("saved" if self.rewritten else "not saved")
-            )
+            size = _mib(self.logits_bytes) if self.logits_bytes else "?"
+            memory = f"    logits {self.rows} x {self.vocab}: ~{size} of loss memory in eager"
+            if not self.rewritten:
+                memory += ", not saved"
+            elif self.logits == "kept":
+                memory += (
+                    f"; ~{_mib(self.saved_bytes)} saved (the logits are kept for their other "
+                    "users: CCE_ESCAPING_LOGITS=rewrite)"
+                )
+            else:
+                memory += ", saved"
+                if self.logits == "dropped":
+                    memory += " (the returned logits are a 'meta' tensor: CCE_ESCAPING_LOGITS=drop)"
+            lines.append(memory)
         if not self.rewritten:
             lines.append(f"    reason: {self.reason}: {self.detail}")
             if self.reason in _FIX:
                 lines.append(f"    fix: {_FIX[self.reason]}")
         return "\n".join(lines)
+
+    def one_line(self) -> str:
+        """What the pass tells the log once per site it leaves alone."""
+        fix = f" Fix: {_FIX[self.reason]}." if self.reason in _FIX else ""
+        return (
+            f"cce_compile: left the cross-entropy at {self.location} alone "
+            f"({self.reason}): {self.detail}.{fix}"
+        )
+
+
+def _mib(count: int | None) -> str:
+    return f"{(count or 0) / 2**20:,.1f} MiB"
 
 
 @dataclasses.dataclass
@@ -82,7 +108,7 @@ class Report:
 
     @property
     def saved_bytes(self) -> int:
-        return sum(s.logits_bytes or 0 for s in self.rewritten)
+        return sum(s.saved_bytes for s in self.rewritten)
 
     def __str__(self) -> str:
         header = (
@@ -93,12 +119,28 @@ class Report:
         return "\n".join([header, *map(str, self.sites)])
 
 
+def _is_library(frame: str) -> bool:
+    """A stack-trace line of an installed package (transformers, torch) or of Python itself."""
+    path = frame.split('"')[1] if '"' in frame else frame
+    return any(part in path for part in ("site-packages", "dist-packages")) or path.startswith(
+        _STDLIB
+    )
+
+
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
 def _location(node) -> str:
+    """Where the user wrote the call: the innermost frame of their own code, else the
+    outermost compiled frame (a compiled library model's forward), not the loss helper."""
     trace = node.meta.get("stack_trace") or ""
     frames = [
         line.strip() for line in trace.strip().splitlines() if line.strip().startswith("File ")
     ]
-    return frames[-1].replace("File ", "") if frames else "<unknown>"
+    if not frames:
+        return "<unknown>"
+    own = [f for f in frames if not _is_library(f)]
+    return (own[-1] if own else frames[0]).replace("File ", "")
 
 
 def describe(found: Site | Rejection, rewritten: bool) -> SiteReport:
@@ -115,6 +157,14 @@ def describe(found: Site | Rejection, rewritten: bool) -> SiteReport:
         if rows is not None and vocab is not None:
             head_bytes = p.tensor_value(found.head).element_size()
             result.logits_bytes = rows * vocab * (head_bytes + 4)
+            if rewritten:
+                # Kept logits stay in memory; only the float32 log-probabilities are saved.
+                kept = bool(found.kept_logits)
+                result.saved_bytes = rows * vocab * 4 if kept else result.logits_bytes
+        if rewritten:
+            result.logits = (
+                "kept" if found.kept_logits else "dropped" if found.dropped_logits else "gone"
+            )
     return result
 
 
