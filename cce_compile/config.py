@@ -45,9 +45,13 @@ class Settings:
     """CCE_COMPILE: install the graph pass for plain torch.compile at `import torch`."""
     mode: str = _rewrite("CCE_MODE", "auto")
     """CCE_MODE: 'lean' (recompute in backward), 'fast' (gradients during forward), 'auto'."""
-    memory_budget_mb: int = _rewrite("CCE_MEMORY_BUDGET_MB", 4096)
-    """CCE_MEMORY_BUDGET_MB: extra memory the loss may use: fast mode's accumulator and chunk,
-    the CPU path's chunk, and auto's limit for choosing fast mode."""
+    memory_fraction: float = _rewrite("CCE_MEMORY_FRACTION", 0.125)
+    """CCE_MEMORY_FRACTION: extra memory the loss may use, as a fraction of the logits it
+    replaces (N x V x the head's dtype size): bounds every chunk and slab, and auto picks the
+    fastest mode that fits (see policy.py)."""
+    memory_budget_mb: int | None = _rewrite("CCE_MEMORY_BUDGET_MB", None)
+    """CCE_MEMORY_BUDGET_MB: an absolute budget in MiB that replaces the fraction (unset: the
+    fraction rules)."""
     escaping_logits: str = _rewrite("CCE_ESCAPING_LOGITS", "keep")
     """CCE_ESCAPING_LOGITS: 'keep' leaves a site whose logits escape alone; 'rewrite' fuses
     the loss anyway and keeps the escaping logits (and their gradient path) intact; 'drop'
@@ -65,10 +69,17 @@ class Settings:
                     f"{_env(name)}={getattr(self, name)!r} is not one of {', '.join(allowed)} "
                     f"(setting {name!r})"
                 )
-        if not isinstance(self.memory_budget_mb, int) or self.memory_budget_mb < 1:
+        budget = self.memory_budget_mb
+        if budget is not None and (not isinstance(budget, int) or budget < 1):
             raise SettingsError(
-                f"{_env('memory_budget_mb')}={self.memory_budget_mb!r} is not an integer >= 1 "
+                f"{_env('memory_budget_mb')}={budget!r} is not an integer >= 1 "
                 "(MiB; setting 'memory_budget_mb')"
+            )
+        fraction = self.memory_fraction
+        if not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1024.0:
+            raise SettingsError(
+                f"{_env('memory_fraction')}={fraction!r} is not a number in (0, 1024] "
+                "(a fraction of the logits' bytes; setting 'memory_fraction')"
             )
 
     def rewrite_key(self) -> str:
@@ -102,11 +113,16 @@ def _parse(field: dataclasses.Field, raw: str) -> object:
     name = field.metadata["env"]
     if field.type == "bool":
         return _parse_bool(name, raw)
-    if field.type == "int":
+    if field.type in ("int", "int | None"):
         try:
             return int(raw.strip())
         except ValueError:
             raise SettingsError(f"{name}={raw!r} is not an integer (MiB)") from None
+    if field.type == "float":
+        try:
+            return float(raw.strip())
+        except ValueError:
+            raise SettingsError(f"{name}={raw!r} is not a number") from None
     return raw.strip().lower()
 
 

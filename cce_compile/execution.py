@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Iterator
 
 import torch
 
-from . import config, torch_path
+from . import config, policy, torch_path
 from .interface import ForwardOut, Gradients, Implementation, Needs
 from .loss_math import LossSpec, check_targets_in_range, row_targets
 from .op_signature import Bound
@@ -40,8 +41,25 @@ def implementation_for(device: torch.device) -> Implementation:
     return torch_path
 
 
-def budget_bytes() -> int:
-    return config.get().memory_budget_mb * 2**20
+def problem_of(hidden, classifier, shift: int, compute_dtype) -> policy.Problem:
+    """What the memory policy needs to know about a call: hidden (..., T, D)."""
+    leading = hidden.shape[:-1]
+    rows = (math.prod(leading) // max(leading[-1], 1)) * (leading[-1] - shift) if leading else 1
+    dtype = compute_dtype or hidden.dtype
+    return policy.Problem(
+        rows=rows,
+        vocab=classifier.shape[0],
+        dim=classifier.shape[1],
+        logit_bytes=dtype.itemsize,
+        rounds_inputs=compute_dtype is not None
+        and any(d != compute_dtype for d in (hidden.dtype, classifier.dtype)),
+    )
+
+
+def budget_bytes(problem: policy.Problem) -> int:
+    """The extra memory the settings give this problem (policy.py)."""
+    settings = config.get()
+    return policy.budget_bytes(problem, settings.memory_budget_mb, settings.memory_fraction)
 
 
 def check_targets(targets, class_weights, spec: LossSpec, vocab: int) -> None:
@@ -78,12 +96,17 @@ def forward(args: Bound) -> ForwardOut:
             lse_all_rows=args.lse_all_rows,
             fast=args.mode == "fast",
             needs=needs_of(args),
-            budget_bytes=budget_bytes(),
+            budget_bytes=_budget_of(args),
             compute_dtype=_compute_dtype(args),
         )
     if out.grad_hidden is not None:  # the op returns it in hidden's own dtype
         out.grad_hidden = out.grad_hidden.to(args.hidden.dtype)
     return out
+
+
+def _budget_of(args: Bound) -> int:
+    problem = problem_of(args.hidden, args.classifier, args.shift, _compute_dtype(args))
+    return budget_bytes(problem)
 
 
 def _compute_dtype(args: Bound) -> torch.dtype | None:
@@ -131,7 +154,7 @@ def backward(args: Bound) -> Gradients:
                 spec,
                 lse_all_rows=args.lse_all_rows,
                 needs=needs,
-                budget_bytes=budget_bytes(),
+                budget_bytes=_budget_of(args),
                 compute_dtype=_compute_dtype(args),
             )
             for i, (extra, like) in enumerate(zip(computed, inputs)):

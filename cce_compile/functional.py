@@ -285,7 +285,9 @@ def linear_cross_entropy(
             class_weights,
             spec,
             lse_all_rows=return_lse,
-            budget_bytes=execution.budget_bytes(),
+            budget_bytes=execution.budget_bytes(
+                execution.problem_of(hidden3, classifier, shift, compute_dtype)
+            ),
             compute_dtype=compute_dtype,
             logit_scale=torch.as_tensor(logit_scale, device=hidden.device),
             softcap=None if softcap is None else torch.as_tensor(softcap, device=hidden.device),
@@ -318,15 +320,15 @@ def _call_op(
     needs_c = grad_on and classifier.requires_grad
     needs_b = grad_on and bias is not None and bias.requires_grad
     settings = config.get()
+    problem = execution.problem_of(hidden, classifier, options["shift"], compute_dtype)
     chosen = choose_mode(
         mode or settings.mode,
         reduction=options["reduction"],
         needs_grad=needs_h or needs_c or needs_b,
         needs_classifier=needs_c,
         lse_has_grad=return_lse and grad_on,
-        vocab=classifier.shape[0],
-        dim=hidden.shape[-1],
-        budget_bytes=settings.memory_budget_mb * 2**20,
+        problem=problem,
+        budget=execution.budget_bytes(problem),
         explicit=mode is not None,
     )
     loss, lse, *_ = torch.ops.cce.linear_cross_entropy(

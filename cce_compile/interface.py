@@ -47,6 +47,16 @@ class ForwardOut:
 
 
 Gradients = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+Coefficients = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (coef_p, coef_t, coef_w), (N,)
+
+
+@dataclasses.dataclass
+class RowStats:
+    """Per-row statistics of the logits over the classes an implementation was given."""
+
+    lse: torch.Tensor  # (N,) float32 logsumexp_j z_ij
+    target_logit: torch.Tensor  # (N,) float32 z_it, 0 where t is not among the classes
+    wsum: torch.Tensor | None  # (N,) float32 sum_j w_j z_ij, with label smoothing only
 
 
 class Implementation(Protocol):
@@ -91,3 +101,45 @@ class Implementation(Protocol):
 
     def scale_to(self, x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(x * scale).to(dtype) with one rounding; ``scale`` is a 0-d tensor."""
+
+    # The two halves of the lean path, for callers that combine statistics or coefficients
+    # across calls (a vocabulary split over ranks). ``classifier`` (and ``bias``,
+    # ``class_weights``) then hold classes [col_start, col_start + V) of a larger vocabulary
+    # that ``targets`` index; targets outside that range contribute no target term.
+
+    def logit_stats(
+        self,
+        hidden: torch.Tensor,
+        classifier: torch.Tensor,
+        targets: torch.Tensor,
+        bias: torch.Tensor | None,
+        class_weights: torch.Tensor | None,
+        spec: LossSpec,
+        *,
+        col_start: int,
+        all_rows: bool,
+        budget_bytes: int,
+        compute_dtype: torch.dtype | None = None,
+    ) -> RowStats:
+        """lse, target logit and (with smoothing) weighted sum of each row's logits over the
+        given classes. Without ``all_rows``, ignored rows' statistics may be skipped."""
+
+    def gradients(
+        self,
+        hidden: torch.Tensor,
+        classifier: torch.Tensor,
+        targets: torch.Tensor,
+        bias: torch.Tensor | None,
+        class_weights: torch.Tensor | None,
+        lse: torch.Tensor,
+        coefs: Coefficients,
+        spec: LossSpec,
+        *,
+        col_start: int,
+        needs: Needs,
+        budget_bytes: int,
+        compute_dtype: torch.dtype | None = None,
+    ) -> Gradients:
+        """Gradients from dz = coef_p * exp(z - lse) - coef_t * onehot - coef_w * w over the
+        given classes: hidden's in float32 (a partial sum when the vocabulary is split), the
+        classifier's and bias's for those classes (float32 or the inputs' dtype)."""

@@ -1,48 +1,100 @@
-"""Choosing between the op's two modes.
+"""The memory policy: how much extra memory the loss may use, and the mode and chunking that
+fit in it. README's "Memory policy" table states the same rules.
 
-* lean: the forward keeps only the per-row lse; the backward recomputes the logits in vocabulary
-  slabs. Extra memory: a float32 hidden-gradient accumulator (N x D) and one slab.
-* fast: the forward computes the gradients in token chunks (three GEMMs, the minimum) and the
-  backward only scales them by the upstream gradient, so it needs a scalar loss ('mean' or
-  'sum'). Extra memory: a float32 classifier-gradient accumulator (V x D) and one chunk.
+Every extra byte is counted against one budget (beyond the op's inputs, its outputs and the
+gradients it returns):
 
-'auto' takes fast whenever it is valid and its accumulator plus one chunk of FAST_CHUNK_ROWS
-rows fits the budget (``memory_budget_mb``, 4 GiB by default), else lean. The measurements
-behind it are in bench/results/.
+* budget: ``CCE_MEMORY_BUDGET_MB`` if set; else ``CCE_MEMORY_FRACTION`` (1/8) of the logits it
+  replaces, N x V x the head's dtype size; at least ``MIN_BUDGET``.
+* lean: forward, the rounded hidden (AMP) and one rounded classifier slab; backward, a float32
+  d-hidden accumulator (N x D x 4), the rounded hidden (AMP) and slabs of ``w`` classes
+  (N x w gradient, plus w x D rounded classifier under AMP), ``w`` as large as the budget
+  allows (at least one tile).
+* fast: a float32 classifier-gradient buffer (V x D x 4), the rounded classifier and hidden
+  (AMP), and chunks of ``n`` rows of float32 logits (n x V x 4; the bf16 gradient is written
+  over them), ``n`` at most ``FAST_CHUNK_ROWS`` and as large as the budget allows.
+* auto: fast when it is valid (scalar loss, gradients wanted, no gradient of the returned lse)
+  and a chunk of at least ``MIN_FAST_ROWS`` rows (or all rows) fits; else lean.
+* CPU path: chunks of rows of float32 temporaries (3 x V x 4 bytes per row) within the budget.
+
+Why ``MIN_FAST_ROWS``: each fast chunk re-reads and re-writes the float32 classifier-gradient
+buffer (8 V D bytes) against 6 n V D FLOPs of GEMMs; at ~700 TFLOP/s and ~4 TB/s that is about
+230 / n of the chunk's time, while lean's fourth GEMM costs a third: below ~700 rows fast is
+the slower mode.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 log = logging.getLogger("cce_compile")
 
-# Rows per fast-mode chunk. Each chunk re-reads and re-writes the float32 classifier
-# accumulator (8 V D bytes) against 6 n V D FLOPs of GEMMs: at 700 TFLOP/s and ~4 TB/s that
-# overhead is about 230 / n of the chunk's time, ~5% at 4096 rows. More rows buy little speed
-# (bench/results/tune.md) and cost chunk memory, which is the point of the op.
+# The most rows per fast-mode chunk: beyond it more rows buy little speed (the accumulator's
+# re-read is ~5% at 4096) and cost chunk memory.
 FAST_CHUNK_ROWS = 4096
+# The fewest rows per fast-mode chunk for auto to prefer fast over lean (module docstring).
+MIN_FAST_ROWS = 1024
+# The smallest budget: tiny problems (tests, the CPU demo's first steps) still get chunks of
+# useful size.
+MIN_BUDGET = 1 << 20
+DEFAULT_FRACTION = 0.125
 
 
-def fast_accumulator_bytes(vocab: int, dim: int, needs_classifier: bool) -> int:
-    """Fast mode's float32 classifier-gradient accumulator (bytes)."""
-    return vocab * dim * 4 if needs_classifier else 0
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """What the policy needs to know about one call."""
+
+    rows: int  # N loss rows (positions the kernels read: at least the rows)
+    vocab: int  # V
+    dim: int  # D
+    logit_bytes: int  # bytes of one logit in the head's compute dtype (2 for bf16)
+    rounds_inputs: bool = False  # the op rounds float32 inputs to the compute dtype (AMP)
 
 
-def fast_chunk_rows(
-    vocab: int, dim: int, elem_bytes: int, needs_classifier: bool, budget_bytes: int
-) -> int:
-    """Rows of logits per fast-mode chunk: FAST_CHUNK_ROWS, or fewer if the budget (after
-    the accumulator) cannot hold that many; at least one."""
-    left = budget_bytes - fast_accumulator_bytes(vocab, dim, needs_classifier)
-    return max(1, min(FAST_CHUNK_ROWS, left // (vocab * elem_bytes)))
+def budget_bytes(problem: Problem, budget_mb: int | None, fraction: float) -> int:
+    """The extra memory the loss may use: an absolute budget, or a fraction of the logits."""
+    if budget_mb is not None:
+        return budget_mb * 2**20
+    return max(MIN_BUDGET, int(fraction * problem.rows * problem.vocab * problem.logit_bytes))
 
 
-def fast_extra_bytes(vocab: int, dim: int, needs_classifier: bool) -> int:
-    """Extra memory of fast mode beyond inputs and gradients: accumulator and one chunk
-    (estimated in 16-bit logits: the choice is made before the dtype matters)."""
-    chunk = FAST_CHUNK_ROWS * vocab * 2
-    return fast_accumulator_bytes(vocab, dim, needs_classifier) + chunk
+def fast_fixed_bytes(problem: Problem, needs_classifier: bool) -> int:
+    """Fast mode's memory besides its chunk: classifier-gradient buffer, rounded copies."""
+    fixed = problem.vocab * problem.dim * 4 if needs_classifier else 0
+    if problem.rounds_inputs:
+        fixed += (problem.vocab + problem.rows) * problem.dim * problem.logit_bytes
+    return fixed
+
+
+def fast_chunk_rows(problem: Problem, needs_classifier: bool, budget: int) -> int:
+    """Rows per fast-mode chunk within the budget (0 if not even one row fits)."""
+    left = budget - fast_fixed_bytes(problem, needs_classifier)
+    return max(0, min(FAST_CHUNK_ROWS, problem.rows, left // (problem.vocab * 4)))
+
+
+def lean_slab_columns(problem: Problem, needs_hidden: bool, budget: int) -> int:
+    """Classes per lean backward slab within the budget (before rounding to whole tiles)."""
+    fixed = problem.rows * problem.dim * 4 if needs_hidden else 0
+    per_class = problem.rows * problem.logit_bytes
+    if problem.rounds_inputs:
+        fixed += problem.rows * problem.dim * problem.logit_bytes
+        per_class += problem.dim * problem.logit_bytes
+    return max(0, (budget - fixed) // max(1, per_class))
+
+
+def forward_slab_columns(problem: Problem, budget: int) -> int:
+    """Classes per lean forward launch: all of them, unless the classifier must be rounded
+    (AMP), which happens one slab of classes at a time within the budget."""
+    if not problem.rounds_inputs:
+        return problem.vocab
+    left = budget - problem.rows * problem.dim * problem.logit_bytes
+    return max(0, left // (problem.dim * problem.logit_bytes))
+
+
+def cpu_chunk_rows(vocab: int, budget: int) -> int:
+    """Rows per chunk of the PyTorch path: three float32 temporaries per logit (y, z, grad)."""
+    return max(1, budget // (vocab * 4 * 3))
 
 
 def choose_mode(
@@ -52,9 +104,8 @@ def choose_mode(
     needs_grad: bool,
     needs_classifier: bool,
     lse_has_grad: bool,
-    vocab: int,
-    dim: int,
-    budget_bytes: int,
+    problem: Problem,
+    budget: int,
     explicit: bool = False,
 ) -> str:
     """The concrete mode ('lean' or 'fast') for one call.
@@ -71,6 +122,5 @@ def choose_mode(
         return requested
     if not needs_grad or reduction == "none" or lse_has_grad:
         return "lean"
-    if fast_extra_bytes(vocab, dim, needs_classifier) <= budget_bytes:
-        return "fast"
-    return "lean"
+    chunk = fast_chunk_rows(problem, needs_classifier, budget)
+    return "fast" if chunk >= min(MIN_FAST_ROWS, problem.rows) and chunk > 0 else "lean"

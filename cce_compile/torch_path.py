@@ -13,27 +13,20 @@ formula does not cover (forward-mode AD, functorch transforms, a differentiable 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import torch
 
-from .interface import ForwardOut, Gradients, Needs
+from .interface import Coefficients, ForwardOut, Gradients, Needs, RowStats
 from .loss_math import (
     LossSpec,
-    RowTargets,
     finish_loss,
     returned_lse,
     row_coefficients,
     row_targets,
 )
-
-# Temporaries of one chunk, in float32 values per logit: y, z, and the gradient.
-_LOGIT_TEMPORARIES = 3
-
-
-def chunk_rows(vocab: int, budget_bytes: int) -> int:
-    """Rows per chunk so that one chunk's float32 temporaries fit in ``budget_bytes``."""
-    return max(1, budget_bytes // (vocab * 4 * _LOGIT_TEMPORARIES))
+from .policy import cpu_chunk_rows
 
 
 class _Rows:
@@ -86,11 +79,28 @@ def _logits(h32, c32, b32, logit_scale, softcap) -> torch.Tensor:
     return z
 
 
+@dataclasses.dataclass
+class _ClassTargets:
+    """Each row's target as a column of the given classes [col_start, col_start + V)."""
+
+    index: torch.Tensor  # (N,) int64 column, clamped into [0, V): usable as an index
+    hit: torch.Tensor  # (N,) bool: the target is one of the given classes
+
+    @staticmethod
+    def of(targets: torch.Tensor, spec: LossSpec, col_start: int, vocab: int) -> _ClassTargets:
+        columns = targets[:, spec.shift :].reshape(-1).long() - col_start
+        hit = (columns >= 0) & (columns < vocab)
+        return _ClassTargets(torch.where(hit, columns, 0), hit)
+
+    def slice(self, start: int, stop: int) -> _ClassTargets:
+        return _ClassTargets(self.index[start:stop], self.hit[start:stop])
+
+
 def _grad_from_logits(
     z: torch.Tensor,
     lse: torch.Tensor,
-    coefs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    rows: RowTargets,
+    coefs: Coefficients,
+    columns: _ClassTargets,
     w32: torch.Tensor | None,
     spec: LossSpec,
 ) -> torch.Tensor:
@@ -100,7 +110,7 @@ def _grad_from_logits(
         tanh_grad = 1.0 - (z / spec.softcap).square()
     coef_p, coef_t, coef_w = coefs
     grad = z.sub_(lse[:, None]).exp_().mul_(coef_p[:, None])
-    grad.scatter_add_(1, rows.safe[:, None], -coef_t[:, None])
+    grad.scatter_add_(1, columns.index[:, None], torch.where(columns.hit, -coef_t, 0.0)[:, None])
     if spec.label_smoothing:
         grad.sub_(coef_w[:, None] * (w32 if w32 is not None else 1.0))
     if tanh_grad is not None:
@@ -114,26 +124,21 @@ def _grad_from_logits(
 
 
 class _Accumulators:
-    """float32 gradient accumulators for the parameters, and the hidden gradient."""
+    """float32 accumulators of the gradients (hidden's is written row by row)."""
 
     def __init__(self, hidden, classifier, bias, needs: Needs):
-        self.hidden = (
-            torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
-            if needs.hidden
-            else None
-        )
-        self.classifier = (
-            torch.zeros(classifier.shape, dtype=torch.float32, device=classifier.device)
-            if needs.classifier
-            else None
-        )
-        self.bias = (
-            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs.bias else None
-        )
+        def zeros(like, wanted):
+            return (
+                torch.zeros(like.shape, dtype=torch.float32, device=like.device) if wanted else None
+            )
+
+        self.hidden = zeros(hidden, needs.hidden)
+        self.classifier = zeros(classifier, needs.classifier)
+        self.bias = zeros(bias, needs.bias)
 
     def add(self, rows_io: _Rows, start, stop, grad, h32, c32) -> None:
         if self.hidden is not None:
-            rows_io.write(self.hidden, start, stop, (grad @ c32).to(self.hidden.dtype))
+            rows_io.write(self.hidden, start, stop, grad @ c32)
         if self.classifier is not None:
             self.classifier.addmm_(grad.T, h32)
         if self.bias is not None:
@@ -150,13 +155,56 @@ def _float(t: torch.Tensor, compute_dtype: torch.dtype | None) -> torch.Tensor:
     return (t if compute_dtype is None else t.to(compute_dtype)).float()
 
 
-def _prepare(hidden, classifier, targets, bias, class_weights, spec, compute_dtype):
-    vocab = classifier.shape[0]
-    rows = row_targets(targets, class_weights, spec, vocab)
+def _operands(classifier, bias, class_weights, compute_dtype):
+    """The classifier, bias and class weights in float32 (the first two rounded first)."""
     c32 = _float(classifier, compute_dtype)
     b32 = _float(bias, compute_dtype) if bias is not None else None
     w32 = class_weights.float() if class_weights is not None else None
-    return vocab, rows, c32, b32, w32
+    return c32, b32, w32
+
+
+def logit_stats(
+    hidden: torch.Tensor,
+    classifier: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weights: torch.Tensor | None,
+    spec: LossSpec,
+    *,
+    col_start: int,
+    all_rows: bool,
+    budget_bytes: int,
+    compute_dtype: torch.dtype | None = None,
+) -> RowStats:
+    """Per-row lse, target logit and weighted sum over the given classes (every row)."""
+    vocab = classifier.shape[0]
+    c32, b32, w32 = _operands(classifier, bias, class_weights, compute_dtype)
+    columns = _ClassTargets.of(targets, spec, col_start, vocab)
+    rows_io = _Rows(hidden, spec.shift)
+    n_rows = columns.index.numel()
+    lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+    target_logit = torch.empty_like(lse)
+    wsum = torch.empty_like(lse) if spec.needs_wsum else None
+    for start, stop in _chunks(n_rows, cpu_chunk_rows(vocab, budget_bytes)):
+        z = _logits(
+            _float(rows_io.read(start, stop), compute_dtype),
+            c32,
+            b32,
+            spec.logit_scale,
+            spec.softcap,
+        )
+        _write_stats(z, columns.slice(start, stop), w32, (lse, target_logit, wsum), start, stop)
+    return RowStats(lse, target_logit, wsum)
+
+
+def _write_stats(z, columns: _ClassTargets, w32, stats, start: int, stop: int) -> None:
+    """One chunk's lse, target logit (0 where the target is not a given class) and wsum."""
+    lse, target_logit, wsum = stats
+    lse[start:stop] = torch.logsumexp(z, dim=-1)
+    picked = z.gather(1, columns.index[:, None])[:, 0]
+    target_logit[start:stop] = torch.where(columns.hit, picked, 0.0)
+    if wsum is not None:
+        wsum[start:stop] = z @ w32 if w32 is not None else z.sum(-1)
 
 
 def forward(
@@ -174,35 +222,78 @@ def forward(
     compute_dtype: torch.dtype | None = None,
 ) -> ForwardOut:
     """Loss and per-row lse; with ``fast``, also the gradients for a unit upstream gradient."""
-    vocab, rows, c32, b32, w32 = _prepare(
-        hidden, classifier, targets, bias, class_weights, spec, compute_dtype
-    )
+    vocab = classifier.shape[0]
+    rows = row_targets(targets, class_weights, spec, vocab)
+    if not (fast and needs.any):
+        stats = logit_stats(
+            hidden,
+            classifier,
+            targets,
+            bias,
+            class_weights,
+            spec,
+            col_start=0,
+            all_rows=lse_all_rows,
+            budget_bytes=budget_bytes,
+            compute_dtype=compute_dtype,
+        )
+        loss = finish_loss(stats.lse, stats.target_logit, stats.wsum, rows, spec, vocab)
+        return ForwardOut(loss, returned_lse(stats.lse, rows, lse_all_rows))
+    c32, b32, w32 = _operands(classifier, bias, class_weights, compute_dtype)
+    columns = _ClassTargets.of(targets, spec, 0, vocab)
     rows_io = _Rows(hidden, spec.shift)
     n_rows = rows.targets.numel()
     lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
-    target_logit = torch.empty_like(lse)
-    wsum = torch.empty_like(lse) if spec.needs_wsum else None
-    acc = _Accumulators(hidden, classifier, bias, needs) if fast and needs.any else None
+    stats = (lse, torch.empty_like(lse), torch.empty_like(lse) if spec.needs_wsum else None)
+    acc = _Accumulators(hidden, classifier, bias, needs)
     unit = torch.ones((), device=hidden.device)
-    for start, stop in _chunks(n_rows, chunk_rows(vocab, budget_bytes)):
+    # Fast mode: the gradient from the same logits as the statistics, three GEMMs.
+    for start, stop in _chunks(n_rows, cpu_chunk_rows(vocab, budget_bytes)):
         h32 = _float(rows_io.read(start, stop), compute_dtype)
         z = _logits(h32, c32, b32, spec.logit_scale, spec.softcap)
+        _write_stats(z, columns.slice(start, stop), w32, stats, start, stop)
+        grad_loss = unit.expand(stop - start) if spec.reduction == "none" else unit
         chunk_rows_ = rows.slice(start, stop)
-        lse[start:stop] = torch.logsumexp(z, dim=-1)
-        target_logit[start:stop] = z.gather(1, chunk_rows_.safe[:, None])[:, 0]
-        if wsum is not None:
-            wsum[start:stop] = z @ w32 if w32 is not None else z.sum(-1)
-        if acc is not None:  # fast mode: the gradient from the same logits, three GEMMs
-            grad_loss = unit.expand(stop - start) if spec.reduction == "none" else unit
-            coefs = row_coefficients(grad_loss, None, lse[start:stop], chunk_rows_, spec, vocab)
-            grad = _grad_from_logits(z, lse[start:stop], coefs, chunk_rows_, w32, spec)
-            acc.add(rows_io, start, stop, grad, h32, c32)
-        del z
-    loss = finish_loss(lse, target_logit, wsum, rows, spec, vocab)
+        coefs = row_coefficients(grad_loss, None, lse[start:stop], chunk_rows_, spec, vocab)
+        grad = _grad_from_logits(z, lse[start:stop], coefs, columns.slice(start, stop), w32, spec)
+        acc.add(rows_io, start, stop, grad, h32, c32)
+    loss = finish_loss(*stats, rows, spec, vocab)
     out = ForwardOut(loss, returned_lse(lse, rows, lse_all_rows))
-    if acc is not None:
-        out.grad_hidden, out.grad_classifier, out.grad_bias = acc.hidden, acc.classifier, acc.bias
+    out.grad_classifier, out.grad_bias = acc.classifier, acc.bias
+    out.grad_hidden = None if acc.hidden is None else acc.hidden.to(hidden.dtype)
     return out
+
+
+def gradients(
+    hidden: torch.Tensor,
+    classifier: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weights: torch.Tensor | None,
+    lse: torch.Tensor,
+    coefs: Coefficients,
+    spec: LossSpec,
+    *,
+    col_start: int,
+    needs: Needs,
+    budget_bytes: int,
+    compute_dtype: torch.dtype | None = None,
+) -> Gradients:
+    """float32 gradients from per-row coefficients, recomputing the logits chunk by chunk."""
+    vocab = classifier.shape[0]
+    c32, b32, w32 = _operands(classifier, bias, class_weights, compute_dtype)
+    columns = _ClassTargets.of(targets, spec, col_start, vocab)
+    rows_io = _Rows(hidden, spec.shift)
+    acc = _Accumulators(hidden, classifier, bias, needs)
+    for start, stop in _chunks(columns.index.numel(), cpu_chunk_rows(vocab, budget_bytes)):
+        h32 = _float(rows_io.read(start, stop), compute_dtype)
+        z = _logits(h32, c32, b32, spec.logit_scale, spec.softcap)
+        chunk_coefs = tuple(c[start:stop] for c in coefs)
+        grad = _grad_from_logits(
+            z, lse[start:stop], chunk_coefs, columns.slice(start, stop), w32, spec
+        )
+        acc.add(rows_io, start, stop, grad, h32, c32)
+    return acc.hidden, acc.classifier, acc.bias
 
 
 def backward(
@@ -221,33 +312,27 @@ def backward(
     budget_bytes: int,
     compute_dtype: torch.dtype | None = None,
 ) -> Gradients:
-    """Gradients for hidden (its dtype) and float32 accumulators for classifier and bias."""
-    vocab, rows, c32, b32, w32 = _prepare(
-        hidden, classifier, targets, bias, class_weights, spec, compute_dtype
+    """Gradients for hidden (its dtype) and float32 ones for classifier and bias."""
+    vocab = classifier.shape[0]
+    rows = row_targets(targets, class_weights, spec, vocab)
+    coefs = row_coefficients(grad_loss, grad_lse, lse, rows, spec, vocab, lse_all_rows)
+    grad_hidden, grad_classifier, grad_bias = gradients(
+        hidden,
+        classifier,
+        targets,
+        bias,
+        class_weights,
+        lse,
+        coefs,
+        spec,
+        col_start=0,
+        needs=needs,
+        budget_bytes=budget_bytes,
+        compute_dtype=compute_dtype,
     )
-    rows_io = _Rows(hidden, spec.shift)
-    n_rows = rows.targets.numel()
-    acc = _Accumulators(hidden, classifier, bias, needs)
-    for start, stop in _chunks(n_rows, chunk_rows(vocab, budget_bytes)):
-        chunk_rows_ = rows.slice(start, stop)
-        chunk_grad_loss = grad_loss
-        if grad_loss is not None and spec.reduction == "none":
-            chunk_grad_loss = grad_loss[start:stop]
-        chunk_grad_lse = grad_lse[start:stop] if grad_lse is not None else None
-        coefs = row_coefficients(
-            chunk_grad_loss,
-            chunk_grad_lse,
-            lse[start:stop],
-            chunk_rows_,
-            spec,
-            vocab,
-            lse_all_rows,
-        )
-        h32 = _float(rows_io.read(start, stop), compute_dtype)
-        z = _logits(h32, c32, b32, spec.logit_scale, spec.softcap)
-        grad = _grad_from_logits(z, lse[start:stop], coefs, chunk_rows_, w32, spec)
-        acc.add(rows_io, start, stop, grad, h32, c32)
-    return acc.hidden, acc.classifier, acc.bias
+    if grad_hidden is not None:
+        grad_hidden = grad_hidden.to(hidden.dtype)
+    return grad_hidden, grad_classifier, grad_bias
 
 
 def differentiable_loss(
@@ -271,15 +356,15 @@ def differentiable_loss(
     forbid it). Reverse mode keeps every chunk's float32 logits for the backward, as eager
     PyTorch keeps its logits; forward mode keeps none.
     """
-    vocab, rows, c32, b32, w32 = _prepare(
-        hidden, classifier, targets, bias, class_weights, spec, compute_dtype
-    )
+    vocab = classifier.shape[0]
+    rows = row_targets(targets, class_weights, spec, vocab)
+    c32, b32, w32 = _operands(classifier, bias, class_weights, compute_dtype)
     scale = spec.logit_scale if logit_scale is None else logit_scale
     cap = spec.softcap if softcap is None else softcap
     rows_io = _Rows(hidden, spec.shift)
     n_rows = rows.targets.numel()
     stats: list[list[torch.Tensor]] = [[], [], []]  # lse, target logit, wsum per chunk
-    for start, stop in _chunks(n_rows, chunk_rows(vocab, budget_bytes)):
+    for start, stop in _chunks(n_rows, cpu_chunk_rows(vocab, budget_bytes)):
         z = _logits(_float(rows_io.read(start, stop), compute_dtype), c32, b32, scale, cap)
         stats[0].append(torch.logsumexp(z, dim=-1))
         stats[1].append(z.gather(1, rows.safe[start:stop, None])[:, 0])

@@ -3,14 +3,19 @@
 Lean mode (``forward`` + ``backward``):
   forward   one fused kernel (``lse_forward``) -> per-row lse and target logit; nothing N x V.
   backward  for each vocabulary slab of ``width`` classes: ``logit_grad`` recomputes the slab's
-            logits and writes their gradient (N x width, inputs' dtype); then cuBLAS computes
-            d classifier[slab] = slab.T @ hidden (written once, one rounding) and
-            d hidden += slab @ classifier[slab] into a float32 accumulator (N x D).
+            logits and writes their gradient (N x width, the compute dtype); then cuBLAS
+            computes d classifier[slab] = slab.T @ hidden (written once, in the classifier's
+            dtype) and d hidden += slab @ classifier[slab] into a float32 accumulator (N x D).
 Fast mode (``forward(fast=True)``), for each token chunk of ``n`` rows:
-  cuBLAS logits (n x V, inputs' dtype) -> ``chunk_softmax_grad`` makes them the gradient in
-  place -> d hidden[chunk] = grad @ classifier (written once) and d classifier += grad.T @
-  hidden[chunk] into a float32 accumulator (V x D). The backward only scales by the upstream
-  gradient. Three GEMMs, the minimum; one chunk and the accumulator are the extra memory.
+  cuBLAS logits (n x V, float32 out of the accumulator: nothing rounded before the softmax) ->
+  ``chunk_softmax_grad`` writes their gradient, rounded once to the compute dtype, over the
+  logits' own memory -> d hidden[chunk] = grad @ classifier (written once) and d classifier +=
+  grad.T @ hidden[chunk] into a float32 buffer (V x D). The backward only scales by the
+  upstream gradient. Three GEMMs, the minimum.
+Mixed precision (``compute_dtype`` rounding float32 inputs, autocast's form): hidden is rounded
+once; the classifier one slab of classes at a time in lean mode (no V x D copy), once in fast
+mode (cuBLAS needs it whole per chunk); classifier gradients are written in float32 directly.
+The sizes of slabs and chunks come from ``policy`` (the memory budget).
 
 Everything here also runs on CPU tensors under TRITON_INTERPRET=1 (the kernel tests): there
 the GEMMs run in float32 and slabs are float32, because the interpreter truncates when it
@@ -21,11 +26,12 @@ from __future__ import annotations
 
 import torch
 
-from .interface import ForwardOut, Gradients, Needs
+from . import policy
+from .interface import Coefficients, ForwardOut, Gradients, Needs, RowStats
 from .kernels.chunk_softmax_grad import chunk_softmax_grad
 from .kernels.common import RowLayout, TileConfig, check_operands, row_layout
 from .kernels.logit_grad import logit_grad
-from .kernels.lse_forward import lse_forward
+from .kernels.lse_forward import lse_forward, partial_blocks
 from .kernels.scale_cast import scale_cast
 from .loss_math import (
     LossSpec,
@@ -35,12 +41,7 @@ from .loss_math import (
     row_coefficients,
     row_targets,
 )
-from .policy import fast_chunk_rows
 
-# The lean backward's slab: at most this many bytes (and at least one tile of columns). With
-# the small per-row vectors it keeps lean mode's extra memory under 64 MB; wider slabs save the
-# float32 d-hidden accumulator read-modify-write passes (bench/results/tune.md).
-SLAB_BYTES = 60 * 2**20
 # Widest hidden size that takes the small-tile configuration (see _tile_config).
 SMALL_TILE_MAX_DIM = 2048
 
@@ -91,9 +92,9 @@ def _tile_config(
     )
 
 
-def _rounded(compute_dtype: torch.dtype | None, *tensors):
-    """The head's operands in the compute dtype (copies where it rounds them)."""
-    return tuple(t if t is None or compute_dtype is None else t.to(compute_dtype) for t in tensors)
+def _rounded(compute_dtype: torch.dtype | None, t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` in the compute dtype (a copy only where that rounds it)."""
+    return t if t is None or compute_dtype is None else t.to(compute_dtype)
 
 
 def _heavy(spec: LossSpec, class_weights: torch.Tensor | None) -> bool:
@@ -101,48 +102,66 @@ def _heavy(spec: LossSpec, class_weights: torch.Tensor | None) -> bool:
 
 
 def _work_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """dtype of slabs and chunks: the inputs' on GPU, float32 in the CPU interpreter."""
+    """dtype of slabs and gradients: the compute dtype on GPU, float32 in the interpreter."""
     return torch.float32 if tensor.device.type == "cpu" else tensor.dtype
 
 
-def _matmul(
-    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """out = a @ b (+ bias) with one rounding to out's dtype; float32 math on CPU."""
+def _problem(layout: RowLayout, classifier, work: torch.Tensor, compute_dtype) -> policy.Problem:
+    vocab, dim = classifier.shape
+    return policy.Problem(
+        rows=layout.n_positions,
+        vocab=vocab,
+        dim=dim,
+        logit_bytes=torch.finfo(_work_dtype(work)).bits // 8,
+        rounds_inputs=compute_dtype is not None,
+    )
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = a @ b with one rounding to out's dtype (float32 accumulation); float32 math on
+    CPU."""
     if a.device.type == "cpu":
-        result = a.float() @ b.float()
-        if bias is not None:
-            result += bias.float()
-        return out.copy_(result)
-    if bias is not None:
-        return torch.addmm(bias, a, b, out=out)
-    return torch.mm(a, b, out=out)
+        return (
+            torch.mm(a.float(), b.float(), out=out)
+            if out.dtype == torch.float32
+            else out.copy_(a.float() @ b.float())
+        )
+    if out.dtype == a.dtype:
+        return torch.mm(a, b, out=out)
+    return torch.mm(a, b, out_dtype=out.dtype, out=out)
 
 
 def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
     """acc += a @ b (acc = a @ b when ``first``) with float32 accumulation, in place."""
-    if a.device.type == "cpu":
-        if first:
-            torch.mm(a.float(), b.float(), out=acc)
-        else:
-            acc.addmm_(a.float(), b.float())
+    if first:  # beta = 0: the accumulator is written, not read
+        _matmul(a, b, out=acc)
+    elif a.device.type == "cpu":
+        acc.addmm_(a.float(), b.float())
     elif a.dtype == torch.float32:
-        torch.mm(a, b, out=acc) if first else acc.addmm_(a, b)
-    elif first:  # beta = 0: the accumulator is written, not read
-        torch.mm(a, b, out_dtype=torch.float32, out=acc)
+        acc.addmm_(a, b)
     else:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
 
 
 def _hidden_grad(grad_positions: torch.Tensor, layout: RowLayout, hidden: torch.Tensor):
-    """(n_positions, D) gradient -> hidden's (B, T, D) gradient in hidden's dtype, zeros where
-    no loss row; one cast, no intermediate copy."""
+    """(n_positions, D) gradient -> hidden's (B, T, D) gradient in ``grad_positions``' dtype,
+    zeros where no loss row."""
     batch, time, dim = hidden.shape
     if layout.n_positions == batch * time:  # positions are exactly hidden's (b, t)
-        return grad_positions.view(batch, time, dim).to(hidden.dtype)
-    out = hidden.new_zeros((batch, time, dim))
+        return grad_positions.view(batch, time, dim)
+    out = grad_positions.new_zeros((batch, time, dim))
     out[:, : layout.rows_per_seq] = layout.row_grid(grad_positions)
     return out
+
+
+def _slabs(vocab: int, width: int):
+    for start in range(0, vocab, width):
+        yield start, min(start + width, vocab)
+
+
+def _tile_width(columns: int, tile: int, vocab: int) -> int:
+    """``columns`` rounded down to whole tiles, at least one tile, at most the vocabulary."""
+    return min(vocab, max(tile, columns // tile * tile))
 
 
 def forward(
@@ -159,57 +178,113 @@ def forward(
     budget_bytes: int,
     compute_dtype: torch.dtype | None = None,
 ) -> ForwardOut:
-    hidden, classifier, bias = _rounded(compute_dtype, hidden, classifier, bias)
     vocab = classifier.shape[0]
     rows = row_targets(targets, class_weights, spec, vocab)
     if fast and needs.any:
         out = _forward_fast(
-            hidden, classifier, bias, class_weights, spec, rows, needs, budget_bytes
+            hidden, classifier, bias, class_weights, spec, rows, needs, budget_bytes, compute_dtype
         )
         out.lse = returned_lse(out.lse, rows, lse_all_rows)
         return out
-    partial_lse, target_logit, partial_wsum = lse_forward(
+    stats = logit_stats(
         hidden,
         classifier,
         targets,
         bias,
         class_weights,
-        shift=spec.shift,
-        ignore_index=spec.ignore_index,
-        logit_scale=spec.logit_scale,
-        softcap=spec.softcap,
-        skip_ignored=not lse_all_rows,
-        needs_wsum=spec.needs_wsum,
-        config=_tile_config(
-            hidden.device, _heavy(spec, class_weights), hidden.element_size(), dim=hidden.shape[-1]
-        ),
+        spec,
+        col_start=0,
+        all_rows=lse_all_rows,
+        budget_bytes=budget_bytes,
+        compute_dtype=compute_dtype,
     )
-    lse = torch.logsumexp(partial_lse, dim=0)
+    loss = finish_loss(stats.lse, stats.target_logit, stats.wsum, rows, spec, vocab)
+    return ForwardOut(loss, returned_lse(stats.lse, rows, lse_all_rows))
+
+
+def logit_stats(
+    hidden: torch.Tensor,
+    classifier: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weights: torch.Tensor | None,
+    spec: LossSpec,
+    *,
+    col_start: int,
+    all_rows: bool,
+    budget_bytes: int,
+    compute_dtype: torch.dtype | None = None,
+) -> RowStats:
+    """Per-row lse, target logit and weighted sum from per-tile partials (``lse_forward``);
+    a classifier to be rounded is rounded one slab of classes at a time."""
+    hidden = _rounded(compute_dtype, hidden)
+    vocab, dim = classifier.shape
+    config = _tile_config(
+        hidden.device, _heavy(spec, class_weights), hidden.element_size(), dim=dim
+    )
+    layout = row_layout(hidden, spec.shift)
+    tile = config.block_v * config.tiles_per_program
+    problem = _problem(layout, classifier, hidden, compute_dtype)
+    width = _tile_width(policy.forward_slab_columns(problem, budget_bytes), tile, vocab)
+    device = hidden.device
+    n_rows = layout.n_rows
+    partial_lse = torch.empty(
+        (partial_blocks(vocab, config), n_rows), dtype=torch.float32, device=device
+    )
+    partial_wsum = torch.empty_like(partial_lse) if spec.needs_wsum else None
+    target_logit = torch.zeros(n_rows, dtype=torch.float32, device=device)
+    for start, stop in _slabs(vocab, width):
+        first, last = start // tile, partial_blocks(stop, config)
+        lse_forward(
+            hidden,
+            _rounded(compute_dtype, classifier[start:stop]),
+            targets,
+            None if bias is None else _rounded(compute_dtype, bias[start:stop]),
+            None if class_weights is None else class_weights[start:stop],
+            shift=spec.shift,
+            ignore_index=spec.ignore_index,
+            logit_scale=spec.logit_scale,
+            softcap=spec.softcap,
+            skip_ignored=not all_rows,
+            needs_wsum=spec.needs_wsum,
+            config=config,
+            col_start=col_start + start,
+            out=(
+                partial_lse[first:last],
+                target_logit,
+                None if partial_wsum is None else partial_wsum[first:last],
+            ),
+        )
     wsum = partial_wsum.sum(0) if partial_wsum is not None else None
-    loss = finish_loss(lse, target_logit, wsum, rows, spec, vocab)
-    return ForwardOut(loss, returned_lse(lse, rows, lse_all_rows))
+    return RowStats(torch.logsumexp(partial_lse, dim=0), target_logit, wsum)
 
 
-def _forward_fast(hidden, classifier, bias, class_weights, spec, rows, needs, budget_bytes):
+def _forward_fast(
+    hidden, classifier, bias, class_weights, spec, rows, needs, budget_bytes, compute_dtype
+):
     """Gradients for a unit upstream gradient, computed in chunks of positions."""
+    hidden_c, classifier_c = _rounded(compute_dtype, hidden), _rounded(compute_dtype, classifier)
+    bias_c = _rounded(compute_dtype, bias)
     vocab, dim = classifier.shape
     device = hidden.device
-    layout = row_layout(hidden, spec.shift)
+    layout = row_layout(hidden_c, spec.shift)
     positions = layout.positions()
     n_positions = layout.n_positions
     to_positions = layout.rows_to_positions
-    work_dtype = _work_dtype(hidden)
-    elem = torch.finfo(work_dtype).bits // 8
-    chunk = max(
-        1, min(n_positions, fast_chunk_rows(vocab, dim, elem, needs.classifier, budget_bytes))
-    )
+    problem = _problem(layout, classifier, hidden_c, compute_dtype)
+    chunk = max(1, policy.fast_chunk_rows(problem, needs.classifier, budget_bytes))
     parts = row_coefficient_parts(torch.ones((), device=device), None, rows, spec, vocab)
     p_base, coef_t, coef_w = (to_positions(v) for v in (parts.p_base, parts.coef_t, parts.coef_w))
     p_per_lse = None if parts.p_per_lse is None else to_positions(parts.p_per_lse)
     targets = to_positions(rows.safe)
-    logits_buf = torch.empty((chunk, vocab), dtype=work_dtype, device=device)
+    # float32 logits; the gradient, rounded to the compute dtype, over their own memory.
+    logits_buf = torch.empty(
+        (min(chunk, max(n_positions, 1)), vocab), dtype=torch.float32, device=device
+    )
+    work_dtype = _work_dtype(hidden_c)
+    grad_buf = logits_buf if work_dtype == torch.float32 else logits_buf.view(work_dtype)[:, :vocab]
     grad_positions = (
-        torch.empty((n_positions, dim), dtype=hidden.dtype, device=device) if needs.hidden else None
+        torch.empty((n_positions, dim), dtype=work_dtype, device=device) if needs.hidden else None
     )
     # Written, not accumulated, by the first chunk's GEMM (beta = 0): no zero fill, unless
     # there is no chunk at all (no rows).
@@ -224,12 +299,12 @@ def _forward_fast(hidden, classifier, bias, class_weights, spec, rows, needs, bu
         torch.empty_like(lse_positions),
         torch.empty_like(lse_positions) if spec.needs_wsum else None,
     )
-    classifier_t = classifier.t()
+    classifier_t = classifier_c.t()
     for start in range(0, n_positions, chunk):
         stop = min(start + chunk, n_positions)
         h = positions[start:stop]
-        logits = logits_buf[: stop - start]
-        _matmul(h, classifier_t, out=logits, bias=bias)
+        logits, grad = logits_buf[: stop - start], grad_buf[: stop - start]
+        _matmul(h, classifier_t, out=logits)
         chunk_softmax_grad(
             logits,
             targets[start:stop],
@@ -241,14 +316,16 @@ def _forward_fast(hidden, classifier, bias, class_weights, spec, rows, needs, bu
             logit_scale=spec.logit_scale,
             softcap=spec.softcap,
             smoothing=spec.needs_wsum,
+            bias=bias_c,
+            grad=grad,
             out=tuple(None if s is None else s[start:stop] for s in stats),
         )
         if grad_positions is not None:
-            _matmul(logits, classifier, out=grad_positions[start:stop])
+            _matmul(grad, classifier_c, out=grad_positions[start:stop])
         if grad_classifier is not None:
-            _addmm_f32_(grad_classifier, logits.t(), h, first=start == 0)
+            _addmm_f32_(grad_classifier, grad.t(), h, first=start == 0)
         if grad_bias is not None:
-            grad_bias += logits.sum(0, dtype=torch.float32)
+            grad_bias += grad.sum(0, dtype=torch.float32)
     lse, target_logit, wsum = (None if s is None else layout.positions_to_rows(s) for s in stats)
     loss = finish_loss(lse, target_logit, wsum, rows, spec, vocab)
     out = ForwardOut(loss, lse)
@@ -263,13 +340,6 @@ def scale_to(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     if x.device.type == "cpu":
         return torch.mul(x, scale.float()).to(dtype)
     return scale_cast(x.contiguous(), scale, dtype)
-
-
-def slab_width(n_rows: int, vocab: int, elem_bytes: int, block_v: int, budget: int) -> int:
-    """Columns per backward slab: within ``budget`` bytes, a multiple of the tile width."""
-    width = budget // max(1, n_rows * elem_bytes)
-    width = max(block_v, width // block_v * block_v)
-    return min(width, vocab)
 
 
 def backward(
@@ -288,31 +358,63 @@ def backward(
     budget_bytes: int,
     compute_dtype: torch.dtype | None = None,
 ) -> Gradients:
-    hidden, classifier, bias = _rounded(compute_dtype, hidden, classifier, bias)
+    vocab = classifier.shape[0]
+    rows = row_targets(targets, class_weights, spec, vocab)
+    coefs = row_coefficients(grad_loss, grad_lse, lse, rows, spec, vocab, lse_all_rows)
+    grad_hidden, grad_classifier, grad_bias = gradients(
+        hidden,
+        classifier,
+        targets,
+        bias,
+        class_weights,
+        lse,
+        coefs,
+        spec,
+        col_start=0,
+        needs=needs,
+        budget_bytes=budget_bytes,
+        compute_dtype=compute_dtype,
+    )
+    if grad_hidden is not None:
+        grad_hidden = grad_hidden.to(hidden.dtype)
+    return grad_hidden, grad_classifier, grad_bias
+
+
+def gradients(
+    hidden: torch.Tensor,
+    classifier: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weights: torch.Tensor | None,
+    lse: torch.Tensor,
+    coefs: Coefficients,
+    spec: LossSpec,
+    *,
+    col_start: int,
+    needs: Needs,
+    budget_bytes: int,
+    compute_dtype: torch.dtype | None = None,
+) -> Gradients:
+    """Slab by slab of classes: ``logit_grad`` recomputes the slab's logits and writes their
+    gradient, cuBLAS turns it into d hidden (float32, accumulated) and d classifier[slab]
+    (written once, in the classifier's dtype) and the bias gradient (float32)."""
+    hidden = _rounded(compute_dtype, hidden)
     vocab, dim = classifier.shape
     device = hidden.device
     # Once here rather than in every slab's launch: the contiguous copies it may make.
     bias, class_weights, classifier = check_operands(
         hidden, classifier, targets, bias, class_weights, spec.shift
     )
-    rows = row_targets(targets, class_weights, spec, vocab)
     layout = row_layout(hidden, spec.shift)
-    coefs = tuple(
-        layout.rows_to_positions(c)
-        for c in row_coefficients(grad_loss, grad_lse, lse, rows, spec, vocab, lse_all_rows)
-    )
+    coefs = tuple(layout.rows_to_positions(c) for c in coefs)
     lse_positions = layout.rows_to_positions(lse)
     config = _tile_config(device, _heavy(spec, class_weights), hidden.element_size(), dim=dim)
-    work_dtype = _work_dtype(hidden)
-    n_positions = layout.n_positions
-    width = slab_width(
-        n_positions,
-        vocab,
-        torch.finfo(work_dtype).bits // 8,
-        config.block_v,
-        min(SLAB_BYTES, budget_bytes),
+    problem = _problem(layout, classifier, hidden, compute_dtype)
+    width = _tile_width(
+        policy.lean_slab_columns(problem, needs.hidden, budget_bytes), config.block_v, vocab
     )
-    slab_buf = torch.empty((n_positions, width), dtype=work_dtype, device=device)
+    n_positions = layout.n_positions
+    slab_buf = torch.empty((n_positions, width), dtype=_work_dtype(hidden), device=device)
     grad_positions = (
         torch.empty((n_positions, dim), dtype=torch.float32, device=device)
         if needs.hidden
@@ -325,19 +427,19 @@ def backward(
         else None
     )
     grad_bias = torch.empty(vocab, dtype=torch.float32, device=device) if needs.bias else None
-    for start in range(0, vocab, width):
-        stop = min(start + width, vocab)
+    for start, stop in _slabs(vocab, width):
         slab = slab_buf[:, : stop - start]
+        classifier_slab = _rounded(compute_dtype, classifier[start:stop])
         logit_grad(
             hidden,
-            classifier,
+            classifier_slab,
             targets,
-            bias,
-            class_weights,
+            None if bias is None else _rounded(compute_dtype, bias[start:stop]),
+            None if class_weights is None else class_weights[start:stop],
             lse_positions,
             coefs,
             slab,
-            col_start=start,
+            target_offset=col_start + start,
             shift=spec.shift,
             logit_scale=spec.logit_scale,
             softcap=spec.softcap,
@@ -345,7 +447,7 @@ def backward(
             config=config,
         )
         if grad_positions is not None:
-            _addmm_f32_(grad_positions, slab, classifier[start:stop], first=start == 0)
+            _addmm_f32_(grad_positions, slab, classifier_slab, first=start == 0)
         if grad_classifier is not None:
             # Positions that are no loss row have zero gradient rows in the slab.
             _matmul(slab.t(), positions, out=grad_classifier[start:stop])

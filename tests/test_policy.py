@@ -1,30 +1,40 @@
-"""Choosing lean or fast."""
+"""The memory policy: the budget, the mode auto picks, and the chunks and slabs that fit."""
 
 from __future__ import annotations
 
 import pytest
 
-from cce_compile.policy import choose_mode, fast_extra_bytes
+from cce_compile import policy
+from cce_compile.policy import MIN_FAST_ROWS, Problem, choose_mode
 
-BIG = 10**12
+# Shape E of bench/: 8192 tokens, D 4096, V 128256, bf16.
+E = Problem(rows=8192, vocab=128256, dim=4096, logit_bytes=2)
+BIG = 10**13
 
 
-def choose(requested="auto", **overrides):
-    args = dict(
-        reduction="mean",
-        needs_grad=True,
-        needs_classifier=True,
-        lse_has_grad=False,
-        vocab=1000,
-        dim=64,
-        budget_bytes=BIG,
-    )
+def choose(requested="auto", problem=E, budget=BIG, **overrides):
+    args = dict(reduction="mean", needs_grad=True, needs_classifier=True, lse_has_grad=False)
     args.update(overrides)
-    return choose_mode(requested, **args)
+    return choose_mode(requested, problem=problem, budget=budget, **args)
 
 
-def test_auto_takes_fast_when_it_fits():
+def test_budget_is_a_fraction_of_the_logits_or_an_absolute_number():
+    logits = E.rows * E.vocab * E.logit_bytes
+    assert policy.budget_bytes(E, None, 0.125) == logits // 8
+    assert policy.budget_bytes(E, 64, 0.125) == 64 * 2**20
+    tiny = Problem(rows=3, vocab=5, dim=2, logit_bytes=4)
+    assert policy.budget_bytes(tiny, None, 0.125) == policy.MIN_BUDGET
+
+
+def test_auto_takes_fast_when_a_useful_chunk_fits():
     assert choose() == "fast"
+
+
+def test_default_budget_takes_lean_where_fasts_buffer_alone_is_over_it():
+    """At N ~ 2D the float32 V x D buffer is as large as the bf16 logits: 1/8 cannot hold it."""
+    budget = policy.budget_bytes(E, None, 0.125)
+    assert policy.fast_fixed_bytes(E, True) > budget
+    assert choose(budget=budget) == "lean"
 
 
 @pytest.mark.parametrize(
@@ -33,17 +43,23 @@ def test_auto_takes_fast_when_it_fits():
         dict(reduction="none"),
         dict(needs_grad=False),
         dict(lse_has_grad=True),
-        dict(budget_bytes=fast_extra_bytes(1000, 64, True) - 1),
+        dict(budget=policy.fast_fixed_bytes(E, True) + (MIN_FAST_ROWS - 1) * E.vocab * 4),
     ],
-    ids=["none", "no-grad", "lse-grad", "over-budget"],
+    ids=["none", "no-grad", "lse-grad", "chunk-under-min-rows"],
 )
 def test_auto_takes_lean(override):
     assert choose(**override) == "lean"
 
 
-def test_budget_ignores_classifier_accumulator_without_classifier_grad():
-    budget = fast_extra_bytes(1000, 64, False)
-    assert choose(needs_classifier=False, budget_bytes=budget) == "fast"
+def test_a_small_problem_takes_fast_when_all_its_rows_fit():
+    small = Problem(rows=100, vocab=1000, dim=64, logit_bytes=2)
+    assert choose(problem=small, budget=policy.fast_fixed_bytes(small, True) + 100 * 4000) == "fast"
+
+
+def test_without_classifier_gradient_fast_needs_no_buffer():
+    assert policy.fast_fixed_bytes(E, False) == 0
+    budget = MIN_FAST_ROWS * E.vocab * 4
+    assert choose(needs_classifier=False, budget=budget) == "fast"
 
 
 def test_explicit_modes():
@@ -54,10 +70,29 @@ def test_explicit_modes():
         choose("fast", reduction="none", explicit=True)
 
 
-def test_fast_chunk_rows_bounded_by_budget():
-    from cce_compile.policy import FAST_CHUNK_ROWS, fast_chunk_rows
+def test_fast_chunk_rows_bounded_by_budget_and_rows():
+    fixed = policy.fast_fixed_bytes(E, True)
+    assert policy.fast_chunk_rows(E, True, BIG) == policy.FAST_CHUNK_ROWS
+    assert policy.fast_chunk_rows(E, True, fixed + 10 * E.vocab * 4) == 10
+    assert policy.fast_chunk_rows(E, True, fixed) == 0
+    few = Problem(rows=7, vocab=10, dim=3, logit_bytes=2)
+    assert policy.fast_chunk_rows(few, True, BIG) == 7
 
-    accumulator = 1000 * 64 * 4
-    assert fast_chunk_rows(1000, 64, 2, True, 10**12) == FAST_CHUNK_ROWS
-    assert fast_chunk_rows(1000, 64, 2, True, accumulator + 2000 * 10) == 10
-    assert fast_chunk_rows(1000, 64, 2, True, accumulator) == 1
+
+def test_mixed_precision_counts_the_rounded_copies():
+    amp = Problem(rows=E.rows, vocab=E.vocab, dim=E.dim, logit_bytes=2, rounds_inputs=True)
+    rounded = (E.vocab + E.rows) * E.dim * 2
+    assert policy.fast_fixed_bytes(amp, True) == policy.fast_fixed_bytes(E, True) + rounded
+    budget = policy.budget_bytes(amp, None, 0.125)
+    columns = policy.lean_slab_columns(amp, True, budget)
+    used = E.rows * E.dim * (4 + 2) + columns * (E.rows + E.dim) * 2
+    assert columns > 0 and used <= budget
+    assert policy.forward_slab_columns(amp, budget) * E.dim * 2 <= budget
+    assert policy.forward_slab_columns(E, budget) == E.vocab  # nothing to round: one launch
+
+
+def test_lean_slab_fills_the_budget():
+    budget = policy.budget_bytes(E, None, 0.125)
+    columns = policy.lean_slab_columns(E, True, budget)
+    assert E.rows * E.dim * 4 + columns * E.rows * 2 <= budget
+    assert E.rows * E.dim * 4 + (columns + 1) * E.rows * 2 > budget

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from oracle import LOSS_RTOL, LOSS_RTOL_ROUNDED_LOGITS
+from oracle import GRAD_RTOL, LOSS_RTOL, LOSS_RTOL_ROUNDED_LOGITS, Case, assert_close, oracle
 from strategies import DTYPE_IDS, DTYPES, build_case, cases
 from test_functional import run_and_compare as _run_and_compare
 
@@ -93,15 +93,15 @@ def test_return_lse_and_ignored_tiles(reduction):
 
 
 def test_several_backward_slabs(monkeypatch):
-    from cce_compile import triton_path
+    from cce_compile import policy
 
-    monkeypatch.setattr(triton_path, "SLAB_BYTES", 16 * 24 * 4)  # 24 rows x 16 cols float32
+    monkeypatch.setattr(policy, "lean_slab_columns", lambda *args: 16)  # one tile per slab
     case = build_case(leading=(24,), dim=18, vocab=70, bias=True, label_smoothing=0.2, seed=9)
     run_and_compare(to_device(case), mode="lean")
 
 
 def test_several_fast_chunks(monkeypatch):
-    from cce_compile import triton_path
+    from cce_compile import policy
 
     calls = []
 
@@ -109,7 +109,7 @@ def test_several_fast_chunks(monkeypatch):
         calls.append(args)
         return 5
 
-    monkeypatch.setattr(triton_path, "fast_chunk_rows", five_rows)
+    monkeypatch.setattr(policy, "fast_chunk_rows", five_rows)
     case = build_case(
         leading=(4, 7),
         dim=18,
@@ -121,7 +121,45 @@ def test_several_fast_chunks(monkeypatch):
         seed=11,
     )
     run_and_compare(to_device(case), mode="fast")
-    assert calls, "fast mode must size its chunks through fast_chunk_rows"
+    assert calls, "fast mode must size its chunks through policy.fast_chunk_rows"
+
+
+@pytest.mark.parametrize("mode", ["lean", "fast"])
+def test_float32_inputs_with_a_bf16_compute_dtype_in_slabs(monkeypatch, mode):
+    """Autocast's form: float32 hidden and classifier rounded to bf16 inside the op, the
+    classifier one slab of classes at a time; float32 gradients against the oracle of the
+    rounded inputs."""
+    from cce_compile import policy
+
+    monkeypatch.setattr(policy, "forward_slab_columns", lambda *args: 16)
+    monkeypatch.setattr(policy, "lean_slab_columns", lambda *args: 16)
+    case = build_case(
+        leading=(2, 9),
+        dim=24,
+        vocab=61,
+        bias=True,
+        class_weights=True,
+        label_smoothing=0.1,
+        softcap=9.0,
+        shift=1,
+        z_loss=1e-3,
+        seed=21,
+    )
+    case = to_device(case)
+    leaves = [t.clone().requires_grad_() for t in (case.hidden, case.classifier, case.bias)]
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        loss = cce_compile.linear_cross_entropy(
+            *leaves[:2], case.targets, leaves[2], mode=mode, **case.options()
+        )
+    grads = torch.autograd.grad(loss, leaves)
+    assert all(g.dtype == torch.float32 for g in grads)
+    rounded = [t.bfloat16().double().requires_grad_() for t in leaves]
+    expected = oracle(Case(*rounded[:2], case.targets, bias=rounded[2], **case.options()))
+    assert_close("loss", loss, expected, LOSS_RTOL_ROUNDED_LOGITS[torch.bfloat16])
+    for name, got, want in zip(
+        ("hidden", "classifier", "bias"), grads, torch.autograd.grad(expected, rounded)
+    ):
+        assert_close(name, got, want, GRAD_RTOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("dim, tma", [(32, True), (37, False)], ids=["tma", "pointers"])

@@ -1,13 +1,17 @@
-"""Fast mode: turn a chunk of materialised logits into their gradient, in place.
+"""Fast mode: turn a chunk of materialised logits into their gradient.
 
-One program per row of ``logits`` (the pre-activation y = hidden @ classifier.T + bias of a
-token chunk, in the inputs' dtype). Pass 1 streams the row for the online max / sum of
-exp(z) (z = softcap(logit_scale * y)), the target logit and, with label smoothing, sum_j w_j z_j.
-Pass 2 re-reads the row (mostly from L2) and overwrites it with
+One program per row of ``logits`` (y = hidden @ classifier.T of a token chunk, float32 from
+the GEMM's accumulator: nothing is rounded before the softmax). Pass 1 streams the row (adding
+the bias) for the online max / sum of exp(z) (z = softcap(logit_scale * (y + b))), the target
+logit and, with label smoothing, sum_j w_j z_j. Pass 2 re-reads the row and writes
 
     d loss / d y = (coef_p * softmax - coef_t * onehot - coef_w * w) * dz/dy,
 
-coef_p = p_base + p_per_lse * lse. Bytes per row: 2 reads + 1 write of V elements.
+coef_p = p_base + p_per_lse * lse, rounded once to ``grad``'s dtype. ``grad`` may share the
+logits' memory: a bf16 gradient row is written over the first half of its own float32 row.
+Column block k then overwrites float32 columns [k B / 2, (k + 1) B / 2), which block k // 2
+read; a barrier between each block's loads and its stores keeps every read before the write
+that covers it. Bytes per row: 2 reads of 4 V, 1 write of 2 V.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from .common import cap_logits
 @triton.jit
 def _chunk_softmax_grad_kernel(
     logits,
+    grad,
+    bias,
     targets,
     class_weights,
     p_base,
@@ -33,8 +39,10 @@ def _chunk_softmax_grad_kernel(
     wsum_out,
     vocab,
     stride_row,
+    stride_grad,
     logit_scale,
     softcap,
+    HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
@@ -43,6 +51,7 @@ def _chunk_softmax_grad_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits + row * stride_row
+    grad_ptr = grad + row * stride_grad
     tgt = tl.load(targets + row)
     offs = tl.arange(0, BLOCK)
 
@@ -54,6 +63,8 @@ def _chunk_softmax_grad_kernel(
         cols = start + offs
         ok = cols < vocab
         y = tl.load(row_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(bias + cols, mask=ok, other=0.0).to(tl.float32)
         z = cap_logits(y, logit_scale, softcap, HAS_SOFTCAP)
         z = tl.where(ok, z, float("-inf"))
         new_max = tl.maximum(running_max, z)
@@ -88,19 +99,22 @@ def _chunk_softmax_grad_kernel(
         cols = start + offs
         ok = cols < vocab
         y = tl.load(row_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(bias + cols, mask=ok, other=0.0).to(tl.float32)
         z = cap_logits(y, logit_scale, softcap, HAS_SOFTCAP)
-        grad = c_p * tl.exp(z - lse) - tl.where(cols == tgt, c_t, 0.0)
+        g = c_p * tl.exp(z - lse) - tl.where(cols == tgt, c_t, 0.0)
         if HAS_SMOOTHING:
             if HAS_WEIGHTS:
-                grad -= c_w * tl.load(class_weights + cols, mask=ok, other=0.0).to(tl.float32)
+                g -= c_w * tl.load(class_weights + cols, mask=ok, other=0.0).to(tl.float32)
             else:
-                grad -= c_w
+                g -= c_w
         if HAS_SOFTCAP:
             u = z / softcap
-            grad = grad * (1.0 - u * u)
-        grad = grad * logit_scale
-        grad = tl.where(active, grad, 0.0)
-        tl.store(row_ptr + cols, grad.to(logits.dtype.element_ty), mask=ok)
+            g = g * (1.0 - u * u)
+        g = g * logit_scale
+        g = tl.where(active, g, 0.0)
+        tl.debug_barrier()  # every read of this block before any write over it
+        tl.store(grad_ptr + cols, g.to(grad.dtype.element_ty), mask=ok)
 
 
 def chunk_softmax_grad(
@@ -113,26 +127,40 @@ def chunk_softmax_grad(
     coef_w: torch.Tensor,
     *,
     logit_scale: float,
-    softcap: float,
+    softcap: float | None,
     smoothing: bool,
+    bias: torch.Tensor | None = None,
+    grad: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     block: int = 4096,
     num_warps: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Overwrite ``logits`` (n, V) with their gradient; return lse, target logit, wsum (n,).
+    """Write d loss / d logits of ``logits`` (n, V) into ``grad`` (n, V; default: ``logits``
+    itself); return lse, target logit, wsum (n,).
 
-    ``targets`` (n,) int64 must be valid class indices (clamp ignored rows: their coefficients
-    are 0); the coefficient vectors are float32 (n,). ``out``: contiguous float32 (n,)
-    buffers to write lse, target logit and wsum into (wsum None without smoothing), so that
-    a caller filling a longer vector chunk by chunk needs no copies.
+    ``grad`` may be a view of ``logits``' own memory in a dtype of half the width, each row
+    starting where the float32 row starts (``logits.view(bf16)[:, :V]``). ``bias`` (V,) is
+    added to the logits as they are read. ``targets`` (n,) int64 must be valid class indices
+    (clamp ignored rows: their coefficients are 0); the coefficient vectors are float32 (n,).
+    ``out``: contiguous float32 (n,) buffers to write lse, target logit and wsum into (wsum
+    None without smoothing), so that a caller filling a longer vector chunk by chunk needs no
+    copies.
     """
     n_rows, vocab = logits.shape
-    if logits.stride(1) != 1:
-        raise ValueError("logits must have unit column stride")
+    grad = logits if grad is None else grad
+    if logits.stride(1) != 1 or grad.stride(1) != 1 or tuple(grad.shape) != (n_rows, vocab):
+        raise ValueError("logits and grad must be (n, V) with unit column stride")
+    if grad.data_ptr() == logits.data_ptr() and grad.dtype != logits.dtype:
+        if (
+            grad.element_size() * 2 != logits.element_size()
+            or grad.stride(0) * grad.element_size() != logits.stride(0) * logits.element_size()
+        ):
+            raise ValueError("an in-place grad must be half-width rows over the logits' rows")
     if targets.shape != (n_rows,) or targets.dtype != torch.int64:
         raise ValueError(f"targets must be int64 ({n_rows},)")
-    if class_weights is not None and class_weights.shape != (vocab,):
-        raise ValueError(f"class_weights must be ({vocab},)")
+    for name, vector in (("class_weights", class_weights), ("bias", bias)):
+        if vector is not None and vector.shape != (vocab,):
+            raise ValueError(f"{name} must be ({vocab},)")
     vectors = {"p_base": p_base, "coef_t": coef_t, "coef_w": coef_w}
     if p_per_lse is not None:
         vectors["p_per_lse"] = p_per_lse
@@ -155,6 +183,8 @@ def chunk_softmax_grad(
     block = min(block, triton.next_power_of_2(vocab))
     _chunk_softmax_grad_kernel[(n_rows,)](
         logits,
+        grad,
+        bias.contiguous() if bias is not None else lse,
         targets,
         class_weights if class_weights is not None else lse,
         p_base,
@@ -166,8 +196,10 @@ def chunk_softmax_grad(
         wsum if wsum is not None else lse,
         vocab,
         logits.stride(0),
+        grad.stride(0),
         float(logit_scale),
         float(softcap) if softcap else 1.0,
+        HAS_BIAS=bias is not None,
         HAS_SOFTCAP=bool(softcap),
         HAS_WEIGHTS=class_weights is not None,
         HAS_SMOOTHING=smoothing,

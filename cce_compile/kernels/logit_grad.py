@@ -1,6 +1,7 @@
 """Lean backward: recompute a vocabulary slab of logits and write their gradient.
 
-For classes [v0, v0 + width) each program recomputes one (BLOCK_N x BLOCK_V) tile of logits
+For a slab of the classifier (``width`` classes, the vocabulary's classes [v0, v0 + width)
+where v0 is ``target_offset``) each program recomputes one (BLOCK_N x BLOCK_V) tile of logits
 exactly as the forward did, and writes
 
     d loss / d y = (coef_p * softmax - coef_t * onehot - coef_w * w) * dz/dy
@@ -48,11 +49,10 @@ def _logit_grad_kernel(
     n_positions,
     seq_stride,
     rows_per_seq,
-    vocab,
+    width,
     dim,
     shift,
-    col_start,
-    width,
+    target_offset,
     logit_scale,
     softcap,
     stride_pos,
@@ -78,10 +78,9 @@ def _logit_grad_kernel(
     )
     pos = first + tl.arange(0, BLOCK_N)
     in_range = pos < n_positions
-    first_local = pid_v * BLOCK_V
-    local_cols = first_local + tl.arange(0, BLOCK_V)
-    cols = col_start + local_cols
-    col_ok = (local_cols < width) & (cols < vocab)
+    first_col = pid_v * BLOCK_V
+    cols = first_col + tl.arange(0, BLOCK_V)
+    col_ok = cols < width
 
     # Per-position coefficients: 0 at positions that are no loss row (past T - shift).
     c_p = tl.load(coef_p + pos_c)
@@ -92,13 +91,13 @@ def _logit_grad_kernel(
     if tl.max(active.to(tl.int32), axis=0) == 0:
         grad = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
     else:
-        cols_c = tl.minimum(cols, vocab - 1)
+        cols_c = tl.minimum(cols, width - 1)
         z = capped_logits_tile(
             hidden,
             classifier,
             bias,
             first,
-            col_start + first_local,
+            first_col,
             pos_c,
             cols_c,
             dim,
@@ -116,7 +115,7 @@ def _logit_grad_kernel(
             DOT_PRECISION,
         )
         grad = c_p[:, None] * tl.exp(z - tl.load(lse + pos_c)[:, None])
-        tgt = tl.load(targets + t_off)
+        tgt = tl.load(targets + t_off) - target_offset  # as a column of this slab
         grad -= tl.where(cols[None, :] == tgt[:, None], c_t[:, None], 0.0)
         if HAS_SMOOTHING:
             if HAS_WEIGHTS:
@@ -132,10 +131,10 @@ def _logit_grad_kernel(
         grad = tl.where(active[:, None], grad, 0.0)
     if USE_TMA:
         # Out-of-bounds rows and columns of the tile are clipped by the copy engine.
-        slab.store([first, first_local], grad.to(slab.dtype))
+        slab.store([first, first_col], grad.to(slab.dtype))
     else:
         # Pointers built after the main loop, so they hold no registers during it.
-        out_ptrs = slab + pos.to(tl.int64)[:, None] * stride_sn + local_cols[None, :]
+        out_ptrs = slab + pos.to(tl.int64)[:, None] * stride_sn + cols[None, :]
         tl.store(out_ptrs, grad.to(slab.dtype.element_ty), mask=in_range[:, None] & col_ok[None, :])
 
 
@@ -149,7 +148,7 @@ def logit_grad(
     coefs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     slab: torch.Tensor,
     *,
-    col_start: int,
+    target_offset: int,
     shift: int,
     logit_scale: float,
     softcap: float,
@@ -157,7 +156,8 @@ def logit_grad(
     config: TileConfig | None = None,
 ) -> torch.Tensor:
     """Fill ``slab`` (positions x width, unit column stride) with the gradient of the loss
-    w.r.t. the pre-activation logits of classes [col_start, col_start + width).
+    w.r.t. the pre-activation logits of ``classifier``'s classes (width = its rows): a slab
+    of the vocabulary starting at class ``target_offset``, which ``targets`` index.
 
     Everything is indexed by *position* of ``row_layout(hidden, shift)``: ``lse`` and the
     coefficient vectors are (n_positions,) float32 (coefficients 0 at positions that are no
@@ -167,14 +167,11 @@ def logit_grad(
     bias, class_weights, classifier = check_operands(
         hidden, classifier, targets, bias, class_weights, shift
     )
-    vocab, dim = classifier.shape
+    width, dim = classifier.shape
     layout = row_layout(hidden, shift)
     n_positions = layout.n_positions
-    width = slab.shape[1]
-    if slab.shape[0] != n_positions or slab.stride(1) != 1:
-        raise ValueError(f"slab must be ({n_positions}, width) with unit column stride")
-    if col_start < 0 or col_start + width > vocab:
-        raise ValueError(f"slab columns [{col_start}, {col_start + width}) outside [0, {vocab})")
+    if tuple(slab.shape) != (n_positions, width) or slab.stride(1) != 1:
+        raise ValueError(f"slab must be ({n_positions}, {width}) with unit column stride")
     for name, t in zip(("lse", "coef_p", "coef_t", "coef_w"), (lse, *coefs)):
         if t.shape != (n_positions,) or t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous float32 ({n_positions},)")
@@ -201,11 +198,10 @@ def logit_grad(
         layout.n_positions,
         layout.seq_stride,
         layout.rows_per_seq,
-        vocab,
+        width,
         dim,
         shift,
-        col_start,
-        width,
+        target_offset,
         float(logit_scale),
         float(softcap) if softcap else 1.0,
         layout.stride_pos,

@@ -49,6 +49,7 @@ def _lse_forward_kernel(
     dim,
     shift,
     ignore_index,
+    col_start,
     logit_scale,
     softcap,
     stride_pos,
@@ -76,6 +77,9 @@ def _lse_forward_kernel(
         pid_n, n_positions, seq_stride, rows_per_seq, shift, stride_tb, stride_tt, BLOCK_N
     )
     tgt = tl.load(targets + t_off, mask=valid, other=ignore_index)
+    # Targets are class ids of the whole vocabulary; this launch sees classes
+    # [col_start, col_start + vocab) as its columns [0, vocab).
+    tgt_col = tgt - col_start
     out_off = pid_v.to(tl.int64) * n_rows + row
     if SKIP_IGNORED:
         if tl.max((tgt != ignore_index).to(tl.int32), axis=0) == 0:
@@ -131,8 +135,10 @@ def _lse_forward_kernel(
             # The tile holds the row's target iff it falls in [first_col, first_col + BLOCK_V):
             # a per-row test, not a reduction over the tile, keeps the epilogue's registers
             # down.
-            has_target = (tgt >= first_col) & (tgt < first_col + BLOCK_V) & (tgt < vocab)
-            target_z = tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
+            has_target = (
+                (tgt_col >= first_col) & (tgt_col < first_col + BLOCK_V) & (tgt_col < vocab)
+            )
+            target_z = tl.sum(tl.where(cols[None, :] == tgt_col[:, None], z, 0.0), axis=1)
             tl.store(target_logit + row, target_z, mask=valid & has_target)
             if NEEDS_WSUM:
                 if HAS_WEIGHTS:
@@ -143,6 +149,11 @@ def _lse_forward_kernel(
     tl.store(partial_lse + out_off, run_max + tl.log(run_sum), mask=valid)
     if NEEDS_WSUM:
         tl.store(partial_wsum + out_off, run_wsum, mask=valid)
+
+
+def partial_blocks(vocab: int, config: TileConfig) -> int:
+    """Rows of the partial buffers for ``vocab`` classes: one per program's vocab group."""
+    return triton.cdiv(vocab, config.block_v * config.tiles_per_program)
 
 
 def lse_forward(
@@ -159,11 +170,17 @@ def lse_forward(
     skip_ignored: bool,
     needs_wsum: bool,
     config: TileConfig | None = None,
+    col_start: int = 0,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Partial lse (vocab_blocks, N), target logit (N,) and partial sum_j w_j z_ij or None.
 
     ``hidden`` (B, T, D) and ``targets`` (B, T) may be strided; rows are (b, t < T - shift).
-    Target logits of rows whose target is not a class (ignored, out of range) stay 0.
+    ``classifier`` (and ``bias``, ``class_weights``) hold classes [col_start, col_start + V)
+    of the vocabulary that ``targets`` index. Target logits of rows whose target is not among
+    them (ignored, out of range, another slab) are not written: they stay as ``out`` has them
+    (zeros when the launcher allocates). ``out``: buffers to write into instead, so a caller
+    that launches slab by slab fills one set (partials of blocks_v rows each).
     """
     config = config or TileConfig()
     bias, class_weights, classifier = check_operands(
@@ -172,14 +189,28 @@ def lse_forward(
     vocab, dim = classifier.shape
     layout = row_layout(hidden, shift)
     n_rows = layout.n_rows
-    blocks_v = triton.cdiv(vocab, config.block_v * config.tiles_per_program)
+    blocks_v = partial_blocks(vocab, config)
     device = hidden.device
-    partial_lse = torch.empty((blocks_v, n_rows), dtype=torch.float32, device=device)
-    partial_wsum = (
-        torch.empty((blocks_v, n_rows), dtype=torch.float32, device=device) if needs_wsum else None
-    )
-    target_logit = torch.zeros(n_rows, dtype=torch.float32, device=device)
-    if n_rows == 0:
+    if out is None:
+        partial_lse = torch.empty((blocks_v, n_rows), dtype=torch.float32, device=device)
+        partial_wsum = (
+            torch.empty((blocks_v, n_rows), dtype=torch.float32, device=device)
+            if needs_wsum
+            else None
+        )
+        target_logit = torch.zeros(n_rows, dtype=torch.float32, device=device)
+    else:
+        partial_lse, target_logit, partial_wsum = out
+        for name, t, shape in (
+            ("partial_lse", partial_lse, (blocks_v, n_rows)),
+            ("target_logit", target_logit, (n_rows,)),
+            ("partial_wsum", partial_wsum, (blocks_v, n_rows) if needs_wsum else None),
+        ):
+            if shape is not None and (
+                t is None or tuple(t.shape) != shape or not t.is_contiguous()
+            ):
+                raise ValueError(f"out {name} must be contiguous float32 {shape}")
+    if n_rows == 0 or vocab == 0:
         return partial_lse, target_logit, partial_wsum
     hidden_arg, classifier_arg, use_tma = operand_args(layout, classifier, config)
     grid = launch_grid(layout.n_positions, vocab, config, config.tiles_per_program)
@@ -200,6 +231,7 @@ def lse_forward(
         dim,
         shift,
         ignore_index,
+        col_start,
         float(logit_scale),
         float(softcap) if softcap else 1.0,
         layout.stride_pos,

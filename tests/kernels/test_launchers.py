@@ -86,14 +86,14 @@ def test_logit_grad_slab_matches_formula():
     slab = torch.full((21, 20), float("nan"), device=DEVICE)
     logit_grad(
         hidden,
-        classifier,
+        classifier[17:37],  # classes 17..36 of the vocabulary that the targets index
         targets,
         None,
         None,
         lse,
         coefs,
         slab,
-        col_start=17,
+        target_offset=17,
         shift=0,
         logit_scale=1.0,
         softcap=0.0,
@@ -141,6 +141,39 @@ def test_chunk_softmax_grad_in_place():
     torch.testing.assert_close(logits.double(), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_chunk_softmax_grad_writes_a_half_width_gradient_over_its_float32_logits():
+    """The bf16 gradient of each row lands over the first half of its own float32 row."""
+    from cce_compile.kernels.chunk_softmax_grad import chunk_softmax_grad
+
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(5, 75, generator=gen) * 2).to(DEVICE)
+    bias = torch.randn(75, generator=gen).to(DEVICE)
+    original = logits.double().clone() + bias.double()
+    targets = torch.randint(0, 75, (5,), generator=gen).to(DEVICE)
+    ones, zeros = torch.ones(5, device=DEVICE), torch.zeros(5, device=DEVICE)
+    grad = logits.view(torch.bfloat16)[:, :75]
+    lse, _, _ = chunk_softmax_grad(
+        logits,
+        targets,
+        None,
+        ones,
+        None,
+        ones,
+        zeros,
+        logit_scale=1.0,
+        softcap=None,
+        smoothing=False,
+        bias=bias,
+        grad=grad,
+        block=16,
+    )
+    lse64 = torch.logsumexp(original, -1)
+    torch.testing.assert_close(lse.double(), lse64, rtol=1e-6, atol=1e-6)
+    expected = torch.softmax(original, -1) - torch.nn.functional.one_hot(targets, 75).double()
+    # bf16: one rounding (the interpreter truncates: 2^-7 relative)
+    torch.testing.assert_close(grad.double(), expected, rtol=2**-7, atol=1e-3)
+
+
 def test_launchers_check_shapes():
     from cce_compile.kernels.chunk_softmax_grad import chunk_softmax_grad
     from cce_compile.kernels.logit_grad import logit_grad
@@ -166,10 +199,10 @@ def test_launchers_check_shapes():
     lse = torch.zeros(10, device=DEVICE)
     coefs = (lse, lse, lse)
 
-    def slab_grad(slab, col_start):
+    def slab_grad(slab, classes):
         return logit_grad(
-            *(hidden, classifier, targets, None, None, lse, coefs, slab),
-            col_start=col_start,
+            *(hidden, classifier[classes], targets, None, None, lse, coefs, slab),
+            target_offset=classes.start,
             shift=0,
             logit_scale=1.0,
             softcap=0.0,
@@ -177,9 +210,9 @@ def test_launchers_check_shapes():
         )
 
     with pytest.raises(ValueError, match="slab"):
-        slab_grad(torch.empty(9, 4, device=DEVICE), col_start=0)
-    with pytest.raises(ValueError, match="columns"):
-        slab_grad(torch.empty(10, 4, device=DEVICE), col_start=9)
+        slab_grad(torch.empty(9, 4, device=DEVICE), slice(0, 4))
+    with pytest.raises(ValueError, match="slab"):  # 5 classes, 4 slab columns
+        slab_grad(torch.empty(10, 4, device=DEVICE), slice(6, 11))
     with pytest.raises(ValueError, match="targets"):
         chunk_softmax_grad(
             torch.zeros(3, 7, device=DEVICE),

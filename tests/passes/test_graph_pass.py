@@ -59,7 +59,8 @@ def test_uuid_tracks_settings_and_is_stable():
 SETTING_VALUES = dict(
     auto_enable=[False, True],
     mode=["auto", "lean", "fast"],
-    memory_budget_mb=[16, 4096],
+    memory_fraction=[0.125, 1024.0],
+    memory_budget_mb=[1, 4096],
     escaping_logits=["keep", "rewrite"],
     check_targets=[False, True],
     disable=[False, True],
@@ -92,7 +93,7 @@ def test_every_setting_that_changes_the_rewrite_changes_the_uuid():
         uuids = {emitted[(name, v)][1] for v in values}
         if len(codes) > 1:
             assert len(uuids) == len(values), f"{name} changes the rewrite but not the uuid"
-    assert len({emitted[("memory_budget_mb", v)][0] for v in (16, 4096)}) == 2
+    assert len({emitted[("memory_budget_mb", v)][0] for v in (1, 4096)}) == 2
 
 
 def test_warm_cache_compiled_under_another_budget_is_not_replayed(monkeypatch):
@@ -117,7 +118,7 @@ def test_warm_cache_compiled_under_another_budget_is_not_replayed(monkeypatch):
         torch._inductor.config.patch(fx_graph_cache=True),
         torch._functorch.config.patch(enable_autograd_cache=True),
     ):
-        for budget in (16, 4096, 16):
+        for budget in (1, 4096, 1):
             with config.override(mode="auto", memory_budget_mb=budget):
                 torch._dynamo.reset()
                 torch.compile(loss)(x, w, y).backward()
