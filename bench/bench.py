@@ -47,19 +47,55 @@ IGNORED_FRACTION = 0.1
 GiB = 2**30
 
 
-def make_inputs(n, d, v, seed=0):
+# Scenarios: what the inputs look like.
+#   bf16    bf16 hidden and classifier, random (a flat softmax)
+#   amp     float32 hidden and classifier under bf16 autocast (mixed-precision training)
+#   peaked  bf16, each hidden state aligned with its target's classifier row so that the
+#           target holds ~97% of the softmax mass, as in a trained model (issue 15)
+SCENARIOS = ("bf16", "amp", "peaked")
+PEAKED_TARGET_MASS = 0.97
+
+
+def make_inputs(n, d, v, seed=0, scenario="bf16"):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    hidden = torch.randn(n, d, device="cuda", generator=gen).bfloat16()
-    classifier = (torch.randn(v, d, device="cuda", generator=gen) * 0.02).bfloat16()
+    hidden = torch.randn(n, d, device="cuda", generator=gen)
+    classifier = torch.randn(v, d, device="cuda", generator=gen) * 0.02
     targets = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    if scenario == "peaked":
+        # target logit ~ s |C_t|^2 = s * 0.0004 D; others ~ 0: mass q needs a margin of
+        # log(q / (1 - q) * V), so s = margin / (0.0004 D); the random part adds a small spread.
+        margin = torch.log(torch.tensor(PEAKED_TARGET_MASS / (1 - PEAKED_TARGET_MASS) * v))
+        scale = margin.item() / (0.0004 * d)
+        hidden = scale * classifier[targets] + 0.1 * hidden
     ignored = torch.rand(n, device="cuda", generator=gen) < IGNORED_FRACTION
     targets = torch.where(ignored, torch.full_like(targets, -100), targets)
-    return hidden, classifier, targets
+    dtype = torch.float32 if scenario == "amp" else torch.bfloat16
+    return hidden.to(dtype), classifier.to(dtype), targets
+
+
+def under_scenario(fn, scenario):
+    """``fn`` as the scenario runs it: under bf16 autocast for 'amp'."""
+    if scenario != "amp":
+        return fn
+
+    def autocast_fn(h, c, t):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return fn(h, c, t)
+
+    return autocast_fn
 
 
 def eager_loss(hidden, classifier, targets):
     logits = hidden @ classifier.T
     return F.cross_entropy(logits.float(), targets, ignore_index=-100)
+
+
+def amp_reference_inputs(hidden, classifier, scenario):
+    """What the reference sees: under AMP the head's inputs rounded to bf16, as autocast
+    rounds them (the float32 math after that is the ideal)."""
+    if scenario == "amp":
+        return hidden.bfloat16(), classifier.bfloat16()
+    return hidden, classifier
 
 
 def method_factories():
@@ -187,15 +223,21 @@ def bench_method(fn, hidden, classifier, targets, reps, warmup, ref):
     return result
 
 
-def bench_shape(name, methods, reps, warmup):
+def bf16_matmul_ms(hidden, classifier, reps, warmup) -> float:
+    """The bare bf16 head matmul: the floor's unit (its operands are freed on return)."""
+    h, c = hidden.bfloat16(), classifier.bfloat16()
+    return cuda_time_ms(lambda: h @ c.T, reps, warmup)[0]
+
+
+def bench_shape(name, methods, reps, warmup, scenario="bf16"):
     n, d, v = SHAPES[name]
-    hidden, classifier, targets = make_inputs(n, d, v)
-    out = {"shape": name, "N": n, "D": d, "V": v, "methods": {}}
-    matmul_ms, _ = cuda_time_ms(lambda: hidden @ classifier.T, reps, warmup)
+    hidden, classifier, targets = make_inputs(n, d, v, scenario=scenario)
+    out = {"shape": name, "scenario": scenario, "N": n, "D": d, "V": v, "methods": {}}
+    matmul_ms = bf16_matmul_ms(hidden, classifier, reps, warmup)
     out["matmul_ms"] = matmul_ms
     out["floor_fwd_bwd_ms"] = 3 * matmul_ms
     out["matmul_tflops"] = 2 * n * d * v / matmul_ms / 1e9
-    ref = reference_grads(hidden, classifier, targets)
+    ref = reference_grads(*amp_reference_inputs(hidden, classifier, scenario), targets)
     gc.collect()
     torch.cuda.empty_cache()
     for method in methods:
@@ -205,7 +247,7 @@ def bench_shape(name, methods, reps, warmup):
             continue
         torch._dynamo.reset()
         try:
-            fn = factory()
+            fn = under_scenario(factory(), scenario)
             out["methods"][method] = bench_method(
                 fn, hidden, classifier, targets, reps, warmup, ref
             )
@@ -213,7 +255,7 @@ def bench_shape(name, methods, reps, warmup):
             out["methods"][method] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         gc.collect()
         torch.cuda.empty_cache()
-        print(f"[{name}] {method}: {out['methods'][method]}", flush=True)
+        print(f"[{name}/{scenario}] {method}: {out['methods'][method]}", flush=True)
     return out
 
 
@@ -252,13 +294,14 @@ def markdown(results):
         compile_ms = shape["methods"].get("torch_compile", {}).get("fwd_bwd_ms")
         compile_mem = shape["methods"].get("torch_compile", {}).get("extra_memory_gb")
         lines += [
-            f"### {shape['shape']}: N={shape['N']} D={shape['D']} V={shape['V']} "
+            f"### {shape['shape']} ({shape.get('scenario', 'bf16')}): "
+            f"N={shape['N']} D={shape['D']} V={shape['V']} "
             f"(matmul {shape['matmul_ms']:.2f} ms = {shape['matmul_tflops']:.0f} TFLOP/s, "
             f"floor {floor:.1f} ms)",
             "",
             "| method | fwd+bwd ms | x floor | x compile | fwd ms | x matmul | extra GiB | "
-            "x compile mem | dE err | dC err |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "x compile mem | loss err | dE err | dC err |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for method, r in shape["methods"].items():
             if "error" in r:
@@ -269,8 +312,8 @@ def markdown(results):
             lines.append(
                 f"| {method} | {r['fwd_bwd_ms']:.2f} | {r['fwd_bwd_ms'] / floor:.2f} | {xc} | "
                 f"{r['fwd_ms']:.2f} | {r['fwd_ms'] / shape['matmul_ms']:.2f} | "
-                f"{r['extra_memory_gb']:.3f} | {xm} | {r['grad_hidden_err']:.2e} | "
-                f"{r['grad_classifier_err']:.2e} |"
+                f"{r['extra_memory_gb']:.3f} | {xm} | {r['loss_err']:.1e} | "
+                f"{r['grad_hidden_err']:.2e} | {r['grad_classifier_err']:.2e} |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -298,7 +341,10 @@ def plot(shape, path):
     ax.set_yscale("log")
     ax.set_xlabel("forward+backward time (ms)")
     ax.set_ylabel("extra memory (GiB, log)")
-    ax.set_title(f"shape {shape['shape']}: N={shape['N']} D={shape['D']} V={shape['V']}")
+    ax.set_title(
+        f"shape {shape['shape']} ({shape.get('scenario', 'bf16')}): "
+        f"N={shape['N']} D={shape['D']} V={shape['V']}"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -312,6 +358,7 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--scenarios", default="bf16", help=f"comma list of {', '.join(SCENARIOS)}")
     args = parser.parse_args(argv)
     methods = args.methods.split(",") if args.methods else list(method_factories())
     out_dir = pathlib.Path(args.out)
@@ -324,10 +371,12 @@ def main(argv=None):
         "date": time.strftime("%Y-%m-%d"),
         "shapes": [],
     }
-    for name in args.shapes.split(","):
-        results["shapes"].append(bench_shape(name, methods, args.reps, args.warmup))
-        (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
-        plot(results["shapes"][-1], out_dir / f"shape_{name}.png")
+    for scenario in args.scenarios.split(","):
+        for name in args.shapes.split(","):
+            shape = bench_shape(name, methods, args.reps, args.warmup, scenario)
+            results["shapes"].append(shape)
+            (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
+            plot(shape, out_dir / f"shape_{name}_{scenario}.png")
     table = markdown(results)
     (out_dir / "results.md").write_text(table + "\n")
     print(table)

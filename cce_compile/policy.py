@@ -9,7 +9,8 @@ gradients it returns):
 * lean: forward, the rounded hidden (AMP) and one rounded classifier slab; backward, a float32
   d-hidden accumulator (N x D x 4), the rounded hidden (AMP) and slabs of ``w`` classes
   (N x w gradient, plus w x D rounded classifier under AMP), ``w`` as large as the budget
-  allows (at least one tile).
+  allows and at least ``MIN_SLAB_COLUMNS`` (so at V < 16 D, where the accumulator alone is
+  over 1/8 of the logits, lean takes more than the budget).
 * fast: a float32 classifier-gradient buffer (V x D x 4), the rounded classifier and hidden
   (AMP), and chunks of ``n`` rows of float32 logits (n x V x 4; the bf16 gradient is written
   over them), ``n`` at most ``FAST_CHUNK_ROWS`` and as large as the budget allows.
@@ -35,6 +36,10 @@ log = logging.getLogger("cce_compile")
 FAST_CHUNK_ROWS = 4096
 # The fewest rows per fast-mode chunk for auto to prefer fast over lean (module docstring).
 MIN_FAST_ROWS = 1024
+# The fewest classes per lean backward slab (see lean_slab_columns): the accumulator's
+# traffic is ~8 N D V / w bytes against 6 N V D FLOPs, ~13% of the GEMMs' time at 2048 on an
+# H100-class GPU (~200 FLOP per byte), ~3% at 8192.
+MIN_SLAB_COLUMNS = 2048
 # The smallest budget: tiny problems (tests, the CPU demo's first steps) still get chunks of
 # useful size.
 MIN_BUDGET = 1 << 20
@@ -74,13 +79,15 @@ def fast_chunk_rows(problem: Problem, needs_classifier: bool, budget: int) -> in
 
 
 def lean_slab_columns(problem: Problem, needs_hidden: bool, budget: int) -> int:
-    """Classes per lean backward slab within the budget (before rounding to whole tiles)."""
+    """Classes per lean backward slab within the budget (before rounding to whole tiles), at
+    least ``MIN_SLAB_COLUMNS``: every slab re-reads and re-writes the float32 d-hidden
+    accumulator (8 N D bytes), which at fewer classes costs more than the budget saves."""
     fixed = problem.rows * problem.dim * 4 if needs_hidden else 0
     per_class = problem.rows * problem.logit_bytes
     if problem.rounds_inputs:
         fixed += problem.rows * problem.dim * problem.logit_bytes
         per_class += problem.dim * problem.logit_bytes
-    return max(0, (budget - fixed) // max(1, per_class))
+    return max(MIN_SLAB_COLUMNS, (budget - fixed) // max(1, per_class))
 
 
 def forward_slab_columns(problem: Problem, budget: int) -> int:

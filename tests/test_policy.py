@@ -86,7 +86,7 @@ def test_mixed_precision_counts_the_rounded_copies():
     budget = policy.budget_bytes(amp, None, 0.125)
     columns = policy.lean_slab_columns(amp, True, budget)
     used = E.rows * E.dim * (4 + 2) + columns * (E.rows + E.dim) * 2
-    assert columns > 0 and used <= budget
+    assert columns > policy.MIN_SLAB_COLUMNS and used <= budget
     assert policy.forward_slab_columns(amp, budget) * E.dim * 2 <= budget
     assert policy.forward_slab_columns(E, budget) == E.vocab  # nothing to round: one launch
 
@@ -96,3 +96,11 @@ def test_lean_slab_fills_the_budget():
     columns = policy.lean_slab_columns(E, True, budget)
     assert E.rows * E.dim * 4 + columns * E.rows * 2 <= budget
     assert E.rows * E.dim * 4 + (columns + 1) * E.rows * 2 > budget
+
+
+def test_lean_slab_never_narrower_than_the_efficiency_floor():
+    """Shape C (V < 16 D): the float32 d-hidden accumulator alone is over 1/8 of the logits."""
+    c = Problem(rows=4096, vocab=32000, dim=2048, logit_bytes=2)
+    budget = policy.budget_bytes(c, None, 0.125)
+    assert c.rows * c.dim * 4 > budget
+    assert policy.lean_slab_columns(c, True, budget) == policy.MIN_SLAB_COLUMNS
