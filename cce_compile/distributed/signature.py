@@ -1,0 +1,58 @@
+"""The argument lists of the vocabulary-parallel ops: the one place that names and orders them.
+
+The op ``cce::vocab_parallel_cross_entropy`` is called by the public function
+(``distributed.functional``) and by the graph pass (``passes.tensor_parallel``); its autograd
+formula (``distributed.ops``) reads the arguments back by name. The loss options are
+``LossSpec``'s fields, as for ``cce::linear_cross_entropy`` (``op_signature``).
+"""
+
+from __future__ import annotations
+
+from .. import op_signature
+from ..op_signature import GRAD_FLAGS, LOSS_OPTIONS, Argument, Signature
+
+# The loss options as the single-device op declares them (LossSpec's fields).
+_OPTIONS = [a for a in op_signature.FORWARD.arguments if a.name in LOSS_OPTIONS]
+_GRAD_FLAGS = [Argument(name, "bool") for name in GRAD_FLAGS]
+_INPUTS = [
+    Argument("hidden", "Tensor"),  # (B, T, D), the same on every rank of the group
+    Argument("classifier", "Tensor"),  # (V_local, D): classes [vocab_start, vocab_start + V_local)
+    Argument("targets", "Tensor"),  # (B, T) int, global class ids, the same on every rank
+    Argument("bias", "Tensor?"),  # (V_local,): this rank's slice
+    Argument("class_weights", "Tensor?"),  # (vocab_size,): the whole vocabulary's
+    Argument("compute_dtype", "ScalarType?", default=None),  # as in op_signature
+]
+_SHARD = [
+    Argument("vocab_start", "int"),  # the first class of this rank's shard
+    Argument("vocab_size", "int"),  # the whole vocabulary V (the shards' union)
+    Argument("group_name", "str"),  # the process group the vocabulary is split over
+    # True: the backward all-reduces hidden's gradient over the group. False: it returns this
+    # rank's partial sum, which the caller reduces exactly once (a DTensor Partial placement:
+    # all-reduce, or reduce-scatter under sequence parallelism).
+    Argument("reduce_hidden_grad", "bool"),
+]
+
+FORWARD = Signature(
+    [
+        *_INPUTS,
+        *_OPTIONS,
+        *_SHARD,
+        Argument("lse_all_rows", "bool"),  # the returned lse is valid at ignored rows too
+        Argument("implementation_version", "int"),  # distributed.ops.IMPLEMENTATION_VERSION
+    ]
+)
+FORWARD_RETURNS = "(Tensor, Tensor)"  # loss, lse (the global, (B, T - shift))
+
+BACKWARD = Signature(
+    [
+        Argument("grad_loss", "Tensor?"),
+        Argument("grad_lse", "Tensor?"),
+        *_INPUTS,
+        Argument("lse", "Tensor"),
+        *_OPTIONS,
+        *_SHARD,
+        Argument("lse_all_rows", "bool"),
+        *_GRAD_FLAGS,
+    ]
+)
+BACKWARD_RETURNS = "(Tensor, Tensor, Tensor)"  # hidden, classifier, bias gradients

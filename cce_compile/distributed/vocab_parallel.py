@@ -1,0 +1,150 @@
+"""The vocabulary-parallel loss: each rank's statistics, combined over the group.
+
+Each rank holds classes [vocab_start, vocab_start + V_local) of the classifier and the same
+hidden states and targets. With the notation of ``loss_math`` (z the logits, w the class
+weights), the loss needs three per-row statistics over the *whole* vocabulary, and each is a
+reduction over the classes, so over the ranks:
+
+* ``lse    = m + log sum_r exp(lse_r - m)``, ``m = max_r lse_r``  (one MAX all-reduce)
+* ``target = sum_r target_r``  (z_it on the rank that holds t, 0 elsewhere)
+* ``wsum   = sum_r wsum_r``    (label smoothing only)
+
+The last three sums travel packed in one SUM all-reduce, so the forward issues two collectives
+of N (or 3 N) floats, whatever V. The loss then follows from ``loss_math.finish_loss`` with the
+global vocabulary size and class weights, identically on every rank.
+
+The backward recomputes each rank's logits (lean mode) and turns them into gradients with the
+global lse and the per-row coefficients of ``loss_math.row_coefficients``, which are the same on
+every rank: the classifier's and bias's gradients are exactly this rank's rows and stay local;
+hidden's is a sum over the classes, so each rank holds a partial sum that must be reduced
+exactly once over the group (here, or by the caller's DTensor placement).
+
+Why no fast mode: fast computes the gradient from the same logits as the statistics, in one
+pass. Here the gradient needs the global lse, which exists only after the all-reduce, so the
+logits would be computed twice in the forward anyway (as lean does in the backward) and fast
+would only add its V_local x D float32 accumulator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import execution
+from ..interface import Needs, RowStats
+from ..loss_math import LossSpec, finish_loss, returned_lse, row_coefficients, row_targets
+from ..op_signature import Bound
+from . import collectives
+
+
+def _shard_weights(args: Bound) -> torch.Tensor | None:
+    """This rank's slice of the class weights (the statistics and gradients use it)."""
+    if args.class_weights is None:
+        return None
+    start = args.vocab_start
+    return args.class_weights[start : start + args.classifier.shape[0]]
+
+
+def _budget(args: Bound) -> int:
+    return execution.budget_bytes(
+        execution.problem_of(args.hidden, args.classifier, args.shift, args.compute_dtype)
+    )
+
+
+def _local_stats(args: Bound, spec: LossSpec) -> RowStats:
+    """This rank's statistics; an empty shard (fewer classes than ranks) has none."""
+    hidden, classifier = args.hidden, args.classifier
+    if classifier.shape[0] == 0:
+        rows = hidden.shape[0] * (hidden.shape[1] - spec.shift)
+        empty = hidden.new_zeros(rows, dtype=torch.float32)
+        return RowStats(empty - float("inf"), empty, empty if spec.needs_wsum else None)
+    with execution.float32_math(hidden.device):
+        return execution.implementation_for(hidden.device).logit_stats(
+            hidden,
+            classifier,
+            args.targets,
+            args.bias,
+            _shard_weights(args),
+            spec,
+            col_start=args.vocab_start,
+            all_rows=args.lse_all_rows,
+            budget_bytes=_budget(args),
+            compute_dtype=args.compute_dtype,
+        )
+
+
+def _combine(local: RowStats, group_name: str) -> RowStats:
+    """The whole vocabulary's statistics from every rank's (module docstring)."""
+    row_max = collectives.all_reduce(local.lse, "max", group_name)
+    # A row without a finite logit anywhere (an ignored row the kernels skipped: -inf) keeps
+    # exp(lse_r - 0) = 0 rather than exp(-inf + inf) = NaN; its lse is then -inf, as it would
+    # be on one device, and the loss never reads it.
+    row_max = torch.where(torch.isinf(row_max) & (row_max < 0), 0.0, row_max)
+    parts = [torch.exp(local.lse - row_max), local.target_logit]
+    if local.wsum is not None:
+        parts.append(local.wsum)
+    summed = collectives.all_reduce(torch.stack(parts), "sum", group_name)
+    lse = row_max + torch.log(summed[0])
+    return RowStats(lse, summed[1], summed[2] if local.wsum is not None else None)
+
+
+def forward(args: Bound) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, lse): float32, the loss a scalar or (N,) for 'none', the lse (N,) (0 at ignored
+    rows unless ``lse_all_rows``); the same on every rank."""
+    spec = args.spec()
+    vocab = args.vocab_size
+    execution.check_targets(args.targets, args.class_weights, spec, vocab)
+    stats = _combine(_local_stats(args, spec), args.group_name)
+    rows = row_targets(args.targets, args.class_weights, spec, vocab)
+    loss = finish_loss(stats.lse, stats.target_logit, stats.wsum, rows, spec, vocab)
+    return loss, returned_lse(stats.lse, rows, args.lse_all_rows)
+
+
+def backward(args: Bound) -> tuple[torch.Tensor | None, ...]:
+    """Gradients for (hidden, classifier, bias) in their dtypes, None where not needed.
+
+    hidden's is all-reduced here (``reduce_hidden_grad``) or left this rank's partial sum.
+    """
+    spec = args.spec()
+    vocab = args.vocab_size
+    hidden, classifier, bias = args.hidden, args.classifier, args.bias
+    needs = Needs(args.grad_hidden, args.grad_classifier, args.grad_bias and bias is not None)
+    grad_loss = args.grad_loss
+    if grad_loss is not None and spec.reduction == "none":
+        grad_loss = grad_loss.reshape(-1)
+    grad_lse = None if args.grad_lse is None else args.grad_lse.reshape(-1)
+    rows = row_targets(args.targets, args.class_weights, spec, vocab)
+    lse = args.lse.reshape(-1)
+    coefs = row_coefficients(grad_loss, grad_lse, lse, rows, spec, vocab, args.lse_all_rows)
+    if classifier.shape[0] == 0:  # an empty shard contributes nothing but takes part below
+        grads = (
+            torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+            if needs.hidden
+            else None,
+            torch.zeros_like(classifier) if needs.classifier else None,
+            torch.zeros_like(bias) if needs.bias else None,
+        )
+    else:
+        with execution.float32_math(hidden.device):
+            grads = execution.implementation_for(hidden.device).gradients(
+                hidden,
+                classifier,
+                args.targets,
+                bias,
+                _shard_weights(args),
+                lse,
+                coefs,
+                spec,
+                col_start=args.vocab_start,
+                needs=needs,
+                budget_bytes=_budget(args),
+                compute_dtype=args.compute_dtype,
+            )
+    grad_hidden, grad_classifier, grad_bias = grads
+    if grad_hidden is not None and args.reduce_hidden_grad:
+        # In float32, before the one rounding to hidden's dtype.
+        grad_hidden = collectives.all_reduce(grad_hidden, "sum", args.group_name)
+    likes = (hidden, classifier, bias)
+    return tuple(
+        None if g is None else g.to(like.dtype)
+        for g, like in zip((grad_hidden, grad_classifier, grad_bias), likes)
+    )

@@ -1,0 +1,58 @@
+"""Bad arguments to vocab_parallel_cross_entropy: a clear error naming the argument, raised
+before any collective (so these run in one process, without a process group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cce_compile.distributed import vocab_parallel_cross_entropy
+
+D, ROWS = 8, 5  # this rank's shard: 5 of 12 classes
+
+
+def _call(**changes):
+    args = dict(
+        hidden=torch.randn(2, 3, D),
+        classifier=torch.randn(ROWS, D),
+        targets=torch.zeros(2, 3, dtype=torch.long),
+        bias=None,
+        vocab_start=0,
+        vocab_size=12,
+        group="unused",  # a name: nothing is resolved before the op runs
+    )
+    args.update(changes)
+    return vocab_parallel_cross_entropy(**args)
+
+
+@pytest.mark.parametrize(
+    "changes, error, names",
+    [
+        pytest.param(dict(vocab_start=None), ValueError, "vocab_start", id="no-vocab_start"),
+        pytest.param(dict(vocab_start=10), ValueError, "vocab_start", id="shard-past-vocab"),
+        pytest.param(
+            dict(class_weights=torch.ones(ROWS)), ValueError, "class_weights", id="shard-weights"
+        ),
+        pytest.param(dict(bias=torch.zeros(12)), ValueError, "bias", id="full-bias"),
+        pytest.param(
+            dict(classifier=torch.randn(ROWS, D + 1)), ValueError, "classifier", id="bad-dim"
+        ),
+        pytest.param(dict(targets=torch.zeros(2, 3)), TypeError, "targets", id="float-targets"),
+        pytest.param(
+            dict(targets=torch.zeros(2, 4, dtype=torch.long)), ValueError, "targets", id="shape"
+        ),
+        pytest.param(dict(reduction="avg"), ValueError, "reduction", id="reduction"),
+        pytest.param(dict(label_smoothing=1.5), ValueError, "label_smoothing", id="smoothing"),
+        pytest.param(dict(shift=3), ValueError, "shift", id="shift-too-large"),
+        pytest.param(
+            dict(classifier=torch.randn(ROWS, D, dtype=torch.bfloat16)),
+            TypeError,
+            "classifier",
+            id="mixed-dtypes",
+        ),
+        pytest.param(dict(group=3), TypeError, "group", id="group-type"),
+    ],
+)
+def test_bad_argument_is_named(changes, error, names):
+    with pytest.raises(error, match=names):
+        _call(**changes)
