@@ -6,6 +6,7 @@ Public surface::
     cce_compile.enable() / cce_compile.disable()        # plain torch.compile(model)
     cce_compile.linear_cross_entropy(hidden, classifier, targets, ...)
     cce_compile.explain(fn_or_model, *args, **kwargs)
+    with cce_compile.watch() as report: ...              # what the compiles in a block did
     cce_compile.config                                   # settings (see README)
 
 Attributes load lazily, so ``import cce_compile`` (and the CCE_COMPILE=1 start-up hook) does
@@ -27,15 +28,24 @@ _LAZY = {
     "enable": ("passes.install", "enable"),
     "disable": ("passes.install", "disable"),
     "explain": ("passes.report", "explain"),
+    "watch": ("passes.report", "watch"),
 }
 
-__all__ = ["backend", "config", "disable", "enable", "explain", "linear_cross_entropy"]
+__all__ = [
+    "backend",
+    "config",
+    "disable",
+    "enable",
+    "explain",
+    "linear_cross_entropy",
+    "watch",
+]
 
 if TYPE_CHECKING:
     from .backend import backend
     from .functional import linear_cross_entropy
     from .passes.install import disable, enable
-    from .passes.report import explain
+    from .passes.report import explain, watch
 
 
 def __getattr__(name: str):

@@ -5,7 +5,9 @@
 
 ``mode=`` and ``options=`` are applied exactly as the default backend applies them (through
 ``torch._TorchCompileInductorWrapper``), and the pass also runs on the sub-graphs of
-higher-order ops such as activation checkpointing.
+higher-order ops such as activation checkpointing. Importing it makes Dynamo ignore
+transformers' once-only logging calls, which would otherwise break the graph between lm_head
+and the loss (``passes/tracing.py`` says how and for how long).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .passes import tracing
 from .passes.graph_pass import run_on_module
 
 
@@ -26,6 +29,7 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any):
     options = kwargs.pop("options", None)
     if kwargs:
         raise TypeError(f"cce_compile.backend got unexpected arguments {sorted(kwargs)}")
+    tracing.ignore_library_logging()  # for the next compiles, if transformers came late
     run_on_module(gm)
     inductor = torch._TorchCompileInductorWrapper(mode, options, None)
     return inductor(gm, example_inputs)
@@ -37,6 +41,7 @@ def _reset() -> None:
 
 
 backend.reset = _reset  # type: ignore[attr-defined]
+tracing.install()
 
 # Registered by name on import too, for environments without the entry point (source trees).
 if "cce" not in torch._dynamo.list_backends(exclude_tags=()):

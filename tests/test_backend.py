@@ -124,3 +124,77 @@ def test_graph_cache_hit_after_restart_still_runs_the_op(tmp_path):
     assert first[first.index("HITS") + 1] == "0"
     assert int(second[second.index("HITS") + 1]) >= 1  # served from the cache ...
     assert int(second[second.index("OP_CALLS") + 1]) >= 1  # ... and still runs the op
+
+
+def _returns_logits(x, w, b, y):
+    logits = F.linear(x, w)
+    return F.cross_entropy(logits.view(-1, 11), y.view(-1)), logits
+
+
+def test_explain_counts_only_memory_really_saved():
+    x, w, b, y = small_inputs()
+    with cce_compile.config.override(escaping_logits="rewrite"):
+        kept = cce_compile.explain(_returns_logits, x, w, b, y)
+    with cce_compile.config.override(escaping_logits="drop"):
+        dropped = cce_compile.explain(_returns_logits, x, w, b, y)
+    assert kept.saved_bytes == 10 * 11 * 4  # the logits stay: only the log-probabilities go
+    assert "kept for their other users" in str(kept)
+    assert dropped.saved_bytes == 10 * 11 * (4 + 4)  # logits and log-probabilities
+    assert "'meta' tensor" in str(dropped)
+
+
+def test_explain_points_at_the_users_frame():
+    report = cce_compile.explain(loss, *small_inputs())
+    assert "test_backend.py" in report.sites[0].location
+    assert report.sites[0].location.endswith("in loss")
+
+
+def _head_then_break(x, w, b, y):
+    logits = F.linear(x, w)
+    torch._dynamo.graph_break()
+    return F.cross_entropy(logits.view(-1, 11), y.view(-1))
+
+
+def test_explain_says_where_the_graph_break_is_and_what_removes_it():
+    report = cce_compile.explain(_head_then_break, *small_inputs())
+    (site,) = report.sites
+    assert site.reason == "logits_from_graph_input"
+    assert "graph_break()" in site.detail and "test_backend.py" in site.detail
+    assert "Remove the `torch._dynamo.graph_break()` call" in site.advice
+    assert "graph break at" in str(report)
+
+
+@pytest.mark.skipif(not hasattr(torch._dynamo, "skip_frame"), reason="torch without skip_frame")
+def test_explain_reports_frames_dynamo_skipped():
+    def skipped(x, w, b, y):
+        torch._dynamo.skip_frame()
+        return loss(x, w, b, y)
+
+    report = cce_compile.explain(skipped, *small_inputs())
+    # The skipped frame runs eagerly; the loss it calls is a frame of its own, compiled.
+    assert len(report.sites) == 1 and len(report.skipped_frames) == 1
+    assert "skipped" in report.skipped_frames[0] and "without compiling" in str(report)
+
+
+def test_watch_reports_the_rewrite_on_a_warm_cache(tmp_path, monkeypatch):
+    # A private cache, warmed by the first compile; the second is served from it.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from torch._dynamo.utils import counters
+
+    reports = []
+    with (
+        torch._inductor.config.patch(fx_graph_cache=True),
+        torch._functorch.config.patch(enable_autograd_cache=True),
+    ):
+        for _ in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            with cce_compile.watch() as report:
+                torch.compile(loss, backend="cce")(*small_inputs()).backward()
+            reports.append(report)
+    hits = (
+        counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
+    )
+    assert hits >= 1  # the second compile was a cache hit ...
+    assert [len(r.rewritten) for r in reports] == [1, 1]  # ... and the report still says so
+    assert counters["cce_compile"]["rewritten"] == 1

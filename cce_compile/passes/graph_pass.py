@@ -23,7 +23,7 @@ from torch.fx import Graph, GraphModule
 
 from .. import config
 from ..ops import IMPLEMENTATION_VERSION
-from . import report
+from . import report, tracing
 from .matching import Site, find_sites
 from .rewrite import OP, rewrite_site
 
@@ -73,6 +73,7 @@ def _tell_once(described: report.SiteReport) -> None:
 def run_pass(graph: Graph) -> list[report.SiteReport]:
     """Rewrite every matched site of ``graph``; returns one report per candidate."""
     settings = config.get()
+    tracing.ignore_library_logging()  # for the next compiles, if transformers came late
     reports = []
     for found in find_sites(graph):
         rewrite = isinstance(found, Site) and not settings.disable

@@ -2,6 +2,13 @@
 
 The hook takes one callable on torch 2.11 and a callable or a list on 2.13; a pass the user
 installed is kept and chained with ours in a pass whose uuid combines both.
+
+Timing: torch 2.13 runs a pre-grad pass that has a uuid "late", after Inductor's cache lookup,
+so on a warm cache the pass would not run at all and nothing could say what the cached graph
+holds. ``enable()`` therefore sets ``pre_grad_pass_timing`` to "early" (when the user left it
+at "default"): the pre-grad passes run on every compile, before the lookup, and the cache key
+is taken from the rewritten graph. ``disable()`` puts "default" back. torch 2.11 always runs
+them before the lookup.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from typing import Any
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from . import tracing
 from .graph_pass import CCEGraphPass, is_cce_pass
 
 _PASS = CCEGraphPass()
@@ -61,12 +69,31 @@ def _install(passes: list[Any]) -> None:
         inductor_config.pre_grad_custom_pass = ChainedPass(passes)
 
 
+_timing_changed = False  # enable() set pre_grad_pass_timing to "early"
+
+
+def _run_before_cache_lookup(on: bool) -> None:
+    global _timing_changed
+    timing = getattr(inductor_config, "pre_grad_pass_timing", None)
+    if on and timing == "default":
+        inductor_config.pre_grad_pass_timing = "early"
+        _timing_changed = True
+    elif not on and _timing_changed:
+        if timing == "early":
+            inductor_config.pre_grad_pass_timing = "default"
+        _timing_changed = False
+
+
 def enable() -> None:
-    """Install the pass for every ``torch.compile`` that uses Inductor (idempotent)."""
+    """Install the pass for every ``torch.compile`` that uses Inductor (idempotent), and make
+    Dynamo ignore transformers' once-only logging calls (``tracing.py``)."""
     if not enabled():
         _install([*_flatten(inductor_config.pre_grad_custom_pass), _PASS])
+    _run_before_cache_lookup(True)
+    tracing.install()
 
 
 def disable() -> None:
     """Remove the pass, leaving any other installed pass in place."""
     _install([p for p in _flatten(inductor_config.pre_grad_custom_pass) if not is_cce_pass(p)])
+    _run_before_cache_lookup(False)

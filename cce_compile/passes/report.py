@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import sysconfig
 from collections.abc import Iterator
 
@@ -16,6 +17,7 @@ import torch
 
 from .. import config
 from . import predicates as p
+from . import tracing
 from .matching import (
     DISABLED,
     DISABLED_DETAIL,
@@ -35,7 +37,7 @@ _FIX = {
     "returns the logits as a tensor without data; CCE_ESCAPING_LOGITS=rewrite fuses it and "
     "keeps them",
     GRAPH_BREAK: "remove the graph break between lm_head and the loss "
-    "(TORCH_LOGS=graph_breaks shows where it is)",
+    "(cce_compile.explain() shows where it is and what removes it)",
     DTENSOR: "distributed (DTensor) weights are not supported yet",
     DISABLED: "unset CCE_DISABLE",
     MUTATION: "move the in-place operation before the head or after the loss, or make it "
@@ -57,6 +59,11 @@ class SiteReport:
     logits_bytes: int | None = None  # what eager stores for this loss: logits + float32 softmax
     saved_bytes: int = 0  # what the rewrite saves of it (logits kept for other users: less)
     logits: str = ""  # rewritten: "gone", "kept" (CCE_ESCAPING_LOGITS=rewrite) or "dropped"
+    fix: str = ""  # what to change, when explain() knows better than the reason's usual fix
+
+    @property
+    def advice(self) -> str:
+        return self.fix or _FIX.get(self.reason, "")
 
     def __str__(self) -> str:
         head = f"{'REWRITTEN' if self.rewritten else 'skipped'}  {self.loss}  at {self.location}"
@@ -78,13 +85,13 @@ class SiteReport:
             lines.append(memory)
         if not self.rewritten:
             lines.append(f"    reason: {self.reason}: {self.detail}")
-            if self.reason in _FIX:
-                lines.append(f"    fix: {_FIX[self.reason]}")
+            if self.advice:
+                lines.append(f"    fix: {self.advice}")
         return "\n".join(lines)
 
     def one_line(self) -> str:
         """What the pass tells the log once per site it leaves alone."""
-        fix = f" Fix: {_FIX[self.reason]}." if self.reason in _FIX else ""
+        fix = f" Fix: {self.advice}." if self.advice else ""
         return (
             f"cce_compile: left the cross-entropy at {self.location} alone "
             f"({self.reason}): {self.detail}.{fix}"
@@ -96,11 +103,28 @@ def _mib(count: int | None) -> str:
 
 
 @dataclasses.dataclass
-class Report:
-    """All sites seen while compiling one call."""
+class GraphBreak:
+    """Where Dynamo cut a graph, and why (its own message's headline and hint)."""
 
-    sites: list[SiteReport]
-    graphs: int
+    location: str
+    reason: str
+    hint: str = ""
+    text: str = dataclasses.field(default="", repr=False)  # Dynamo's whole message
+
+    def __str__(self) -> str:
+        hint = f"\n    hint: {self.hint}" if self.hint else ""
+        return f"graph break at {self.location}: {self.reason}{hint}"
+
+
+@dataclasses.dataclass
+class Report:
+    """All sites seen while compiling one call (explain), or in the compiles of a block
+    (watch)."""
+
+    sites: list[SiteReport] = dataclasses.field(default_factory=list)
+    graphs: int = 0
+    breaks: list[GraphBreak] = dataclasses.field(default_factory=list)
+    skipped_frames: list[str] = dataclasses.field(default_factory=list)  # Dynamo ran eagerly
 
     @property
     def rewritten(self) -> list[SiteReport]:
@@ -116,7 +140,14 @@ class Report:
             f"{len(self.rewritten)} rewritten, ~{self.saved_bytes / 2**20:,.1f} MiB of logits "
             "memory saved"
         )
-        return "\n".join([header, *map(str, self.sites)])
+        lines = [header, *map(str, self.sites), *map(str, self.breaks)]
+        if self.skipped_frames:
+            lines.append(
+                f"Dynamo ran {len(self.skipped_frames)} frame(s) without compiling them (a "
+                "loss in one of them is not seen):"
+            )
+            lines += [f"    {frame}" for frame in self.skipped_frames]
+        return "\n".join(lines)
 
 
 def _is_library(frame: str) -> bool:
@@ -168,46 +199,170 @@ def describe(found: Site | Rejection, rewritten: bool) -> SiteReport:
     return result
 
 
-_recorders: list[list[SiteReport]] = []
+_watchers: list[Report] = []
 
 
 def record(reports: list[SiteReport]) -> None:
-    """Hand reports to any active ``recording()`` block."""
-    for sink in _recorders:
-        sink.extend(reports)
+    """Hand one graph's reports to every active ``watch()`` block."""
+    for report in _watchers:
+        report.sites.extend(reports)
+        report.graphs += 1
+
+
+@contextlib.contextmanager
+def watch() -> Iterator[Report]:
+    """What the pass did in every compile that runs inside the block::
+
+        with cce_compile.watch() as report:
+            loss = compiled_step(x, y)      # compiles here (first call, new shapes)
+        print(report)                        # sites, rewritten or not and why, memory saved
+
+    The pass runs on every compile, including those Inductor serves from its caches (the
+    backend runs it before Inductor; ``enable()`` makes Inductor run it before its cache
+    lookup), so the report is right on a warm cache. A call that compiles nothing (Dynamo
+    reuses a compiled frame) adds nothing.
+    """
+    report = Report()
+    _watchers.append(report)
+    try:
+        yield report
+    finally:
+        _watchers.remove(report)
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[SiteReport]]:
-    """Collect the reports of every pass run inside the block."""
-    sink: list[SiteReport] = []
-    _recorders.append(sink)
-    try:
-        yield sink
-    finally:
-        _recorders.remove(sink)
+    """The site reports of every pass run inside the block (``watch()``'s sites)."""
+    with watch() as report:
+        yield report.sites
 
 
 def explain(fn_or_model, *args, **kwargs) -> Report:
     """Compile ``fn_or_model(*args, **kwargs)`` with a recording backend and report every
-    cross-entropy site: rewritten or not, why, and the estimated logits memory saved.
+    cross-entropy site: rewritten or not, why, and the estimated logits memory saved; every
+    graph break (where, why, and what would remove it when it separates a head from its
+    loss); and every frame Dynamo ran without compiling.
 
-    The call runs once, eagerly through Dynamo (nothing is rewritten or compiled by Inductor).
+    The call runs once, eagerly through Dynamo (nothing is rewritten or compiled by Inductor),
+    with Dynamo set up as the cce backend sets it up (transformers' logging calls ignored).
     """
     disabled = config.get().disable
-    sites: list[SiteReport] = []
-    graphs = 0
+    report = Report()
 
     def recording_backend(gm, example_inputs):
-        nonlocal graphs
+        _breaks_from_metrics(report.breaks, _new_metrics(seen))
         for _, module in gm.named_modules():
             if isinstance(module, torch.fx.GraphModule):
-                graphs += 1
+                report.graphs += 1
                 for found in find_sites(module.graph):
                     would_rewrite = isinstance(found, Site) and not disabled
-                    sites.append(describe(found, rewritten=would_rewrite))
+                    described = describe(found, rewritten=would_rewrite)
+                    if isinstance(found, Rejection) and found.reason == GRAPH_BREAK:
+                        _blame_break(described, report.breaks)
+                    report.sites.append(described)
+        cut = graph_break(gm)
+        if cut is not None:
+            report.breaks.append(cut)
         return gm.forward
 
+    tracing.install()
+    seen = _compilation_metrics()  # a bounded deque: the new entries are told by identity
     compiled = torch.compile(fn_or_model, backend=recording_backend)
     compiled(*args, **kwargs)
-    return Report(sites, graphs)
+    metrics = _new_metrics(seen)
+    _breaks_from_metrics(report.breaks, metrics)
+    report.skipped_frames = [_skipped(m) for m in metrics if _was_skipped(m)]
+    return report
+
+
+def graph_break(gm: torch.fx.GraphModule) -> GraphBreak | None:
+    """The break that ended this Dynamo graph, if a break (not a return) ended it."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    text = str(reason.reason).strip()
+    headline = text.splitlines()[0] if text else "graph break"
+    hints = [ln.strip()[len("Hint:") :].strip() for ln in text.splitlines() if "Hint:" in ln]
+    stack = list(getattr(reason, "user_stack", []) or [])
+    frames = [f'"{f.filename}", line {f.lineno}, in {f.name}' for f in stack]
+    own = [f for f in frames if not _is_library(f)]
+    location = (own or frames or ["<unknown>"])[-1]
+    if frames and own and frames[-1] != own[-1]:
+        location += f" (inside {frames[-1]})"
+    return GraphBreak(location, headline, " ".join(hints), text)
+
+
+def _breaks_from_metrics(breaks: list[GraphBreak], metrics: list) -> None:
+    """Add the breaks Dynamo restarted a frame for that no graph reported (a break before
+    any op, e.g. at a DistributedDataParallel call), in order, once each."""
+    known = {(b.reason, b.location) for b in breaks} | {b.reason for b in breaks}
+    for entry in metrics:
+        for text in sorted(getattr(entry, "restart_reasons", None) or ()):
+            headline = str(text).strip().splitlines()[0]
+            where = f'"{entry.co_filename}", line {entry.co_firstlineno}, in {entry.co_name}'
+            if headline in known or (headline, where) in known:
+                continue
+            known.add(headline)
+            breaks.append(GraphBreak(where, headline, "", str(text)))
+
+
+def _blame_break(site: SiteReport, breaks: list[GraphBreak]) -> None:
+    """Name the break before the graph whose input the logits are, and what removes it."""
+    if not breaks:
+        return
+    cut = breaks[-1]
+    resumed = re.search(r"torch_dynamo_resume_in_(.+)_at_(\d+)", site.location)
+    if resumed:  # the break Dynamo resumed this frame after: same function and line
+        function, line = resumed.groups()
+        same = [b for b in breaks if f"line {line}, in {function}" in b.location]
+        cut = same[-1] if same else cut
+    site.detail += f"; the last graph break before it: {cut.reason} at {cut.location}"
+    text = f"{cut.reason} {cut.location} {cut.text}".lower()
+    if any(m in text for m in ("distributed.py", "ddp", "set_runtime_stats_and_log")):
+        site.fix = _DDP_FIX
+    elif "logging" in text or "logger" in text:
+        site.fix = (
+            "a logging call breaks the graph: add it to "
+            "torch._dynamo.config.ignore_logging_functions (cce_compile adds transformers' "
+            "warning_once/info_once), or move it out of the forward"
+        )
+    else:
+        site.fix = (
+            f"remove what breaks the graph at {cut.location}"
+            + (f" ({cut.hint})" if cut.hint else "")
+            + ", or compute the loss in the same compiled function as the head"
+        )
+
+
+_DDP_FIX = (
+    "DistributedDataParallel's forward always breaks the graph, so a loss computed outside "
+    "the wrapped module cannot meet its head: compute it inside the module's forward "
+    "(`ddp_model(x, labels=y).loss`; add CCE_ESCAPING_LOGITS=drop if the model also returns "
+    "its logits), or set torch._dynamo.config.optimize_ddp = 'python_reducer' before wrapping "
+    "the model and run the backward under compiled autograd"
+)
+
+
+def _compilation_metrics() -> list:
+    try:
+        return list(torch._dynamo.utils.get_compilation_metrics())
+    except Exception:  # a torch without them: no skipped-frame report
+        return []
+
+
+def _new_metrics(seen: list) -> list:
+    """Entries recorded since ``seen`` was taken (holding ``seen`` keeps their ids unique)."""
+    old = {id(m) for m in seen}
+    return [m for m in _compilation_metrics() if id(m) not in old]
+
+
+def _was_skipped(metrics) -> bool:
+    return bool(getattr(metrics, "fail_type", None)) and not getattr(
+        metrics, "has_guarded_code", True
+    )
+
+
+def _skipped(metrics) -> str:
+    reason = str(getattr(metrics, "fail_reason", "") or "").strip().splitlines()
+    where = f"{metrics.co_filename}:{metrics.co_firstlineno}"
+    return f"{metrics.co_name} ({where}): {reason[0] if reason else metrics.fail_type}"

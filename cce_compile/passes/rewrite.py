@@ -29,11 +29,11 @@ _META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
 class _Emitter:
     """Creates nodes before ``anchor`` with example values and the anchor's source meta."""
 
-    def __init__(self, graph: Graph, anchor: Node):
+    def __init__(self, graph: Graph, anchor: Node, fake_mode: Any = None):
         self.graph = graph
         self.anchor = anchor
         fake = p.tensor_value(anchor)
-        self.fake_mode = fake.fake_mode if fake is not None else None
+        self.fake_mode = fake.fake_mode if fake is not None else fake_mode
 
     def __call__(self, target, *args: Any, **kwargs: Any) -> Node:
         with self.graph.inserting_before(self.anchor):
@@ -105,22 +105,22 @@ def choose_site_mode(site: Site, needs: tuple[bool, bool, bool]) -> str:
     vocab, dim = (p.size_hint(s) or 1 for s in p.tensor_value(site.classifier).shape)
     if site.classifier_is_transposed:
         vocab, dim = dim, vocab
+    common = dict(
+        reduction=site.reduction,
+        needs_grad=any(needs),
+        needs_classifier=needs[1],
+        lse_has_grad=bool(site.lse_users),
+    )
+    operands = (site.hidden, site.classifier)
     problem = policy.Problem(
         rows=p.size_hint(site.rows) or 1,
         vocab=vocab,
         dim=dim,
         logit_bytes=site.compute_dtype.itemsize,
+        rounds_inputs=any(p.tensor_value(n).dtype != site.compute_dtype for n in operands),
     )
     budget = policy.budget_bytes(problem, settings.memory_budget_mb, settings.memory_fraction)
-    return policy.choose_mode(
-        settings.mode,
-        reduction=site.reduction,
-        needs_grad=any(needs),
-        needs_classifier=needs[1],
-        lse_has_grad=bool(site.lse_users),
-        problem=problem,
-        budget=budget,
-    )
+    return policy.choose_mode(settings.mode, problem=problem, budget=budget, **common)
 
 
 def _operand(emit: _Emitter, node: Node | None, site: Site) -> Node | None:
@@ -195,6 +195,7 @@ def rewrite_site(graph: Graph, site: Site) -> Node:
             user.replace_all_uses_with(served)
             graph.erase_node(user)
     graph.erase_node(loss)
+    _drop_returned_logits(graph, site, emit.fake_mode)
     _erase_dead(
         graph,
         [
@@ -206,6 +207,43 @@ def rewrite_site(graph: Graph, site: Site) -> Node:
         ],
     )
     return op
+
+
+def _drop_returned_logits(graph: Graph, site: Site, fake_mode: Any) -> None:
+    """CCE_ESCAPING_LOGITS=drop: the graph returns, for each of the logits it returned, an
+    empty tensor of their shape and dtype on the 'meta' device. It holds no data, so any use
+    that would read a value (``.item()``, ``.cpu()``, printing numbers, comparing with a real
+    tensor) raises instead of producing a plausible number."""
+    output = graph.output_node()
+    emit = _Emitter(graph, output, fake_mode)
+    for node in site.dropped_logits:
+        value = p.tensor_value(node)
+        dropped = emit(
+            aten.empty.memory_format,
+            _sizes(emit, value.shape, [site.hidden, site.targets]),
+            dtype=value.dtype,
+            device=torch.device("meta"),
+        )
+        output.replace_input_with(node, dropped)
+
+
+def _sizes(emit: _Emitter, shape: Any, sources: list[Node]) -> list[Any]:
+    """``shape`` as op arguments, each symbolic size read from where ``p.size_source`` finds
+    it (matching made sure every size has a source)."""
+    holders = p.symint_holders(emit.graph)
+    sizes: list[Any] = []
+    for size in shape:
+        source = p.size_source(size, holders, sources)
+        if isinstance(source, tuple):
+            tensor, dim = source
+            ndim = p.tensor_value(tensor).dim()
+            dims = [dim] if dim is not None else range(ndim - 1)
+            source = None
+            for i in dims:
+                read = emit(aten.sym_size.int, tensor, i)
+                source = read if source is None else emit(operator.mul, source, read)
+        sizes.append(source)
+    return sizes
 
 
 def _shape_of(emit: _Emitter, node: Node) -> list[Any]:

@@ -32,6 +32,7 @@ def restore_hook():
         torch._functorch.config.patch(enable_autograd_cache=False),
     ):
         yield
+    cce_compile.disable()  # also restores the pass timing enable() set
     inductor_config.pre_grad_custom_pass = before
 
 
@@ -49,6 +50,35 @@ def small_inputs():
 def test_enable_rewrites_plain_torch_compile():
     outcome = check(loss, small_inputs(), backend="hook")
     assert outcome.rewritten == 1 and outcome.has_op
+
+
+def test_enable_reports_the_rewrite_on_a_warm_cache(tmp_path, monkeypatch):
+    """On torch 2.13 a pre-grad pass with a uuid runs only on a cache miss unless the timing
+    is 'early', which enable() sets: the pass (and its counters, and watch()) see every
+    compile, and the cached graph is the rewritten one."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from torch._dynamo.utils import counters
+
+    reports = []
+    cce_compile.enable()
+    with (
+        inductor_config.patch(fx_graph_cache=True),
+        torch._functorch.config.patch(enable_autograd_cache=True),
+    ):
+        for _ in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            with cce_compile.watch() as report:
+                torch.compile(loss)(*small_inputs()).backward()
+            reports.append(report)
+    hits = (
+        counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
+    )
+    assert hits >= 1
+    assert [len(r.rewritten) for r in reports] == [1, 1]
+    assert counters["cce_compile"]["rewritten"] == 1
+    cce_compile.disable()
+    assert getattr(inductor_config, "pre_grad_pass_timing", "default") == "default"
 
 
 def test_enable_disable_idempotent():

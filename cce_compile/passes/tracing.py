@@ -1,0 +1,71 @@
+"""Graph breaks users cannot edit: transformers' logging calls between lm_head and the loss.
+
+transformers logs from inside some forwards with ``logger.warning_once`` (GPT-2's missing
+``loss_type``, gradient checkpointing's ``use_cache``). Dynamo cannot trace a logging call and
+breaks the graph there, which puts the head and the loss in different graphs. Its supported
+remedy is ``torch._dynamo.config.ignore_logging_functions``: calls of the functions in that set
+are left out of the compiled code (the warning is not printed under compile).
+
+What cce_compile adds to that set: transformers' once-only logging methods (``warning_once``,
+``info_once``, ``warning_advice``, which transformers installs on ``logging.Logger`` when it is
+imported), and nothing else; a user's own ``logger.warning`` still breaks the graph. When: as
+soon as the cce backend is imported (``backend="cce"`` imports it) or ``enable()`` runs
+(``CCE_COMPILE=1``), and again before every compile (a start-of-compile callback) and at every
+run of the pass, so that a transformers imported later is covered too. For how long: for the
+rest of the process, for every compile (Dynamo traces before it knows the backend, so the
+setting cannot be scoped to our compiles: a backend's ``backend_ctx_ctor`` is dropped by
+``torch.compile``'s wrapper, and compile callbacks are cleared by ``torch._dynamo.reset()``).
+To keep those warnings under compile, remove them from the set after importing cce_compile.
+
+On torch 2.11 a non-empty set makes Dynamo's compilation-metrics record fail to serialise (the
+set holds functions); compiling is unaffected, and the error line it logs is filtered out here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+# Installed on logging.Logger by transformers.utils.logging.
+_LIBRARY_LOGGING = ("warning_once", "info_once", "warning_advice")
+
+
+def library_logging_functions() -> set[Any]:
+    """transformers' once-only logging methods, if transformers has been imported."""
+    return {getattr(logging.Logger, n) for n in _LIBRARY_LOGGING if hasattr(logging.Logger, n)}
+
+
+def ignored() -> set[Any]:
+    """The logging functions Dynamo leaves out of compiled code now."""
+    return set(torch._dynamo.config.ignore_logging_functions)
+
+
+def ignore_library_logging(*_: Any) -> None:
+    """Add transformers' logging methods to Dynamo's ignore set (idempotent); also keeps the
+    start-of-compile callback registered (``torch._dynamo.reset()`` clears callbacks)."""
+    missing = library_logging_functions() - ignored()
+    if missing:
+        torch._dynamo.config.ignore_logging_functions = ignored() | missing
+    handler = torch._dynamo.callback.callback_handler
+    if ignore_library_logging not in handler.start_callbacks:
+        handler.register_start_callback(ignore_library_logging)
+
+
+class _MetricsSerialisationNoise(logging.Filter):
+    """Drops torch 2.11's 'Unexpected exception logging compilation metrics' record that the
+    functions in the ignore set cause (they are not JSON serialisable)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        noise = "compilation metrics" in str(record.msg) and isinstance(error, TypeError)
+        return not (noise and "JSON serializable" in str(error))
+
+
+def install() -> None:
+    """Ignore transformers' logging calls from now on (see the module docstring)."""
+    metrics_log = logging.getLogger("torch._dynamo.metrics_context")
+    if not any(isinstance(f, _MetricsSerialisationNoise) for f in metrics_log.filters):
+        metrics_log.addFilter(_MetricsSerialisationNoise())
+    ignore_library_logging()
