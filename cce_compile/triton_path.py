@@ -272,7 +272,11 @@ def _forward_fast(
     n_positions = layout.n_positions
     to_positions = layout.rows_to_positions
     problem = _problem(layout, classifier, hidden_c, compute_dtype)
-    chunk = max(1, policy.fast_chunk_rows(problem, needs.classifier, budget_bytes))
+    # Within the budget, but never fewer rows than fast mode is tuned for: a caller who asked
+    # for fast mode where the budget holds no such chunk gets it over the budget (auto never
+    # picks fast there).
+    floor = min(policy.FAST_CHUNK_ROWS, max(n_positions, 1))
+    chunk = max(floor, policy.fast_chunk_rows(problem, needs.classifier, budget_bytes))
     parts = row_coefficient_parts(torch.ones((), device=device), None, rows, spec, vocab)
     p_base, coef_t, coef_w = (to_positions(v) for v in (parts.p_base, parts.coef_t, parts.coef_w))
     p_per_lse = None if parts.p_per_lse is None else to_positions(parts.p_per_lse)
@@ -283,8 +287,12 @@ def _forward_fast(
     )
     work_dtype = _work_dtype(hidden_c)
     grad_buf = logits_buf if work_dtype == torch.float32 else logits_buf.view(work_dtype)[:, :vocab]
+    # A float32 hidden (AMP) gets its gradient straight out of the GEMM's accumulator.
+    hidden_grad_dtype = torch.float32 if hidden.dtype == torch.float32 else work_dtype
     grad_positions = (
-        torch.empty((n_positions, dim), dtype=work_dtype, device=device) if needs.hidden else None
+        torch.empty((n_positions, dim), dtype=hidden_grad_dtype, device=device)
+        if needs.hidden
+        else None
     )
     # Written, not accumulated, by the first chunk's GEMM (beta = 0): no zero fill, unless
     # there is no chunk at all (no rows).
