@@ -1,0 +1,195 @@
+"""End-to-end training step of a Hugging Face Llama: torch.compile against the cce pass.
+
+The recipe users run: mixed precision (float32 weights, bf16 autocast), AdamW, and the step
+that computes the loss compiled (``model(ids, labels=labels).loss``). Each variant builds the
+same model from the same seed, compiles, warms up, then times ``--steps`` steps with CUDA
+events and reads the peak of torch's allocator over the timed steps. Writes ``e2e.json`` and
+``e2e.md`` (with GPU, torch, triton and transformers versions) into ``--out``.
+
+    python bench/e2e_llama.py --out bench/results/e2e          # compile, cce (default), cce lean
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+GiB = 2**30
+# variant -> (torch.compile backend, cce_compile settings)
+VARIANTS = {
+    "compile": ("inductor", {}),
+    "cce": ("cce", {}),
+    "cce_lean": ("cce", {"mode": "lean"}),
+    "cce_fast": ("cce", {"mode": "fast"}),
+}
+
+
+def build_model(args):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 128,
+        num_key_value_heads=args.hidden // 256,
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).cuda()
+    model.train()
+    return model
+
+
+def batch(args, step):
+    gen = torch.Generator(device="cuda").manual_seed(step)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=gen)
+    return ids, ids.clone()
+
+
+def run_variant(name, args):
+    import cce_compile
+
+    backend, settings = VARIANTS[name]
+    torch._dynamo.reset()
+    model = build_model(args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def loss_of(ids, labels):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return model(input_ids=ids, labels=labels).loss
+
+    step_fn = torch.compile(loss_of, backend=backend)
+
+    def train_step(i):
+        ids, labels = batch(args, i)
+        loss = step_fn(ids, labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    with cce_compile.config.override(**settings):
+        started = time.perf_counter()
+        losses = [train_step(i).item() for i in range(args.warmup)]
+        compile_s = time.perf_counter() - started
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for i in range(args.steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            loss = train_step(args.warmup + i)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+            losses.append(loss.item())
+        peak = torch.cuda.max_memory_allocated()
+    rewritten = dict(torch._dynamo.utils.counters["cce_compile"])
+    step_ms = statistics.median(times)
+    return {
+        "step_ms": step_ms,
+        "step_all_ms": times,
+        "tokens_per_s": args.batch * args.seq / step_ms * 1e3,
+        "peak_gib": peak / GiB,
+        "first_steps_s": compile_s,
+        "losses": losses,
+        "cce_counters": rewritten,
+    }
+
+
+def environment():
+    import transformers
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_properties(0).name,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+    }
+
+
+def markdown(results):
+    env, args = results["environment"], results["args"]
+    logits_gib = args["batch"] * args["seq"] * args["vocab"] * 2 / GiB
+    base = results["variants"].get("compile", {})
+    lines = [
+        f"GPU: {env['gpu']} · torch {env['torch']} · triton {env['triton']} · "
+        f"transformers {env['transformers']}",
+        "",
+        f"HF Llama: {args['layers']} layers, hidden {args['hidden']}, V {args['vocab']}; "
+        f"{args['batch']} x {args['seq']} tokens; bf16 autocast, float32 weights, fused AdamW; "
+        f"median of {args['steps']} steps. bf16 logits: {logits_gib:.2f} GiB.",
+        "",
+        "| variant | step ms | tokens/s | x compile | peak GiB | saved vs compile | "
+        "saved / bf16 logits | first steps s | rewritten |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results["variants"].items():
+        if "error" in r:
+            lines.append(f"| {name} | {r['error'][:100]} ||||||||")
+            continue
+        ratio = r["tokens_per_s"] / base["tokens_per_s"] if "tokens_per_s" in base else None
+        saved = base["peak_gib"] - r["peak_gib"] if "peak_gib" in base else None
+        lines.append(
+            f"| {name} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
+            f"{ratio:.3f} | {r['peak_gib']:.2f} | "
+            f"{saved:.2f} | {saved / logits_gib:.0%} | {r['first_steps_s']:.0f} | "
+            f"{r['cce_counters'].get('rewritten', 0)} |"
+            if ratio is not None
+            else f"| {name} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | - | "
+            f"{r['peak_gib']:.2f} | - | - | {r['first_steps_s']:.0f} | - |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variants", default="compile,cce,cce_lean")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", default="bench/results/e2e")
+    args = parser.parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"environment": environment(), "args": vars(args), "variants": {}}
+    for name in args.variants.split(","):
+        try:
+            results["variants"][name] = run_variant(name, args)
+        except Exception as exc:  # one variant failing must not lose the others
+            results["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        with contextlib.suppress(Exception):
+            torch._dynamo.utils.counters.clear()
+        gc.collect()  # the variant's model and optimizer state go with its frame
+        torch.cuda.empty_cache()
+        print(name, {k: v for k, v in results["variants"][name].items() if k != "losses"})
+        (out / "e2e.json").write_text(json.dumps(results, indent=1, default=str))
+    table = markdown(results)
+    (out / "e2e.md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        sys.exit("e2e_llama.py needs a CUDA GPU")
+    main()
