@@ -107,6 +107,7 @@ def run_and_grad(fn, args, leaves, backward_all=False):
 def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
     got, want = (t.full_tensor() if hasattr(t, "full_tensor") else t for t in (got, want))
     assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
     err = rel_error(got, want)
     assert err <= rtol, f"{name}: relative error {err:.3e} > {rtol:.1e} against eager"
 

@@ -49,7 +49,9 @@ class Site:
     bias: Node | None
     chain: list[Node]  # head output .. loss input, in forward order (head excluded)
     log_softmax: Node | None  # the nll_loss form's log_softmax
+    loss_views: list[Node]  # between the loss and log_softmax / logits: views, class-dim move
     transposes: list[Node]  # W.T nodes of a matmul head: erased with the chain when unused
+    operand_casts: list[Node]  # casts to the head's dtype looked through: erased when unused
     row_indices: list[Any]  # row slices to replay on hidden, in forward order
     targets: Node  # what the op reads: the loss's target through views (element_source)
     loss_targets: Node  # the loss's own target argument
@@ -112,19 +114,28 @@ def _reject(loss: Node, reason: str, detail: str) -> Rejection:
 
 def _loss_options(loss: Node) -> dict[str, Any] | Rejection:
     """The loss's input, target and options, normalised from any argument layout."""
+    views: list[Node] = []  # between the loss and its log_softmax / logits (loss order)
     if p.is_cross_entropy(loss):
         args = p.bind(loss, F.cross_entropy)
         log_softmax = None
         logits = args["input"]
+        source = p.class_dim_moved_last(logits)  # (B, V, T) input of a (B, T, V) tensor
+        if source is not None:
+            views.append(logits)
+            logits = source
     else:
         args = p.bind(loss, F.nll_loss)
         args["label_smoothing"] = 0.0
         log_softmax = args["input"]
+        while p.is_row_view(log_softmax) or p.is_passthrough(log_softmax):
+            views.append(log_softmax)  # log_softmax(x).view(-1, V): rows regrouped after it
+            log_softmax = log_softmax.args[0]
         logits = p.log_softmax_input(log_softmax)
         if logits is None:
             return _reject(loss, UNSUPPORTED_OP, "nll_loss input is not a last-dim log_softmax")
-        if len(log_softmax.users) != 1:
-            return _reject(loss, ESCAPES, f"{log_softmax.name} has other users")
+    for node in [log_softmax, *views]:
+        if node is not None and len(node.users) != 1:
+            return _reject(loss, ESCAPES, f"{node.name} has other users")
     if args["size_average"] is not None or args["reduce"] is not None:
         return _reject(loss, UNSUPPORTED_OPTION, "legacy size_average/reduce arguments")
     if isinstance(args["ignore_index"], Node) or not isinstance(args["ignore_index"], int):
@@ -141,7 +152,8 @@ def _loss_options(loss: Node) -> dict[str, Any] | Rejection:
         return _reject(loss, UNSUPPORTED_OPTION, "input or target without example value")
     if target_value.dtype.is_floating_point:
         return _reject(loss, UNSUPPORTED_OPTION, "class-probability targets")
-    if logits_value.dim() > 2:
+    moved = p.is_cross_entropy(loss) and bool(views)  # classes in dim 1, moved back last
+    if p.tensor_value(args["input"]).dim() > 2 and not moved:
         return _reject(loss, UNSUPPORTED_OPTION, "class dimension is dim 1 of a >2-D input")
     return dict(
         logits=logits,
@@ -151,6 +163,7 @@ def _loss_options(loss: Node) -> dict[str, Any] | Rejection:
         reduction=args["reduction"],
         label_smoothing=smoothing,
         log_softmax=log_softmax,
+        loss_views=views,
     )
 
 
@@ -160,6 +173,7 @@ class _Walk:
     row_indices: list[Any] = dataclasses.field(default_factory=list)  # reversed
     scale_factors: list[tuple[Any, bool]] = dataclasses.field(default_factory=list)
     softcap: Any = None
+    bias: Node | None = None  # ``h @ W.T + b``: the bias added to a matmul head
     z_level: list[Node] = dataclasses.field(default_factory=list)  # nodes whose value is z
 
 
@@ -170,12 +184,18 @@ def _walk_to_head(loss: Node, start: Node) -> tuple[Node, _Walk] | Rejection:
     while True:
         # z-level: the value is z at the loss rows. Before a scale / softcap it is not z, and
         # before a row slice it has rows the op's lse does not cover.
-        transformed = walk.scale_factors or walk.softcap is not None
+        transformed = walk.scale_factors or walk.softcap is not None or walk.bias is not None
         if not transformed and not walk.row_indices:
             walk.z_level.append(node)
         if p.is_linear(node) or p.is_matmul(node):
+            if walk.bias is not None and not p.is_matmul(node):
+                return _reject(loss, UNSUPPORTED_OP, f"a bias added to {node.name}'s output")
             return node, walk
         walk.chain.append(node)
+        added = p.bias_add(node)
+        if added is not None and p.is_matmul(added[0]) and walk.bias is None:
+            node, walk.bias = added  # the head's own output plus a (V,) bias, nothing between
+            continue
         dtype = p.cast_dtype(node)
         if dtype is not None:
             if dtype != torch.float32:
@@ -271,6 +291,7 @@ def match_site(loss: Node, order: dict[Node, int] | None = None) -> Site | Rejec
     if operands is None:
         return _reject(loss, NO_HEAD, f"{head.name}: matmul operand is not a 2-D weight")
     hidden, classifier, transposed, bias, transposes = operands
+    bias = walk.bias if walk.bias is not None else bias
     hidden_value, weight_value = p.tensor_value(hidden), p.tensor_value(classifier)
     head_value = p.tensor_value(head)
     if hidden_value is None or weight_value is None or head_value is None:
@@ -283,11 +304,15 @@ def match_site(loss: Node, order: dict[Node, int] | None = None) -> Site | Rejec
         return _reject(
             loss, UNSUPPORTED_OPTION, f"head computes in {head_value.dtype} (the op: float32)"
         )
+    casts: list[Node] = []  # explicit casts of the operands the op does itself (AMP)
+    hidden, classifier, bias = (
+        _rounded_source(n, head_value.dtype, casts) for n in (hidden, classifier, bias)
+    )
 
     chain = list(reversed(walk.chain))
     z_level = set(walk.z_level)
     lse_users, side_nodes, escaping = _classify_users(
-        head, chain, loss, options["log_softmax"], z_level
+        head, chain, loss, [options["log_softmax"], *options["loss_views"]], z_level
     )
     rows_at_hidden = _rows_at_hidden(head, chain)
     targets = p.element_source(options["target"])
@@ -326,7 +351,9 @@ def match_site(loss: Node, order: dict[Node, int] | None = None) -> Site | Rejec
     # Eager reads the head's operands and the logits from the head to their last consumer,
     # the targets and weights at the loss; the op reads all of them at the anchor.
     last = max([loss, *lse_users], key=order.__getitem__)
-    written = safety.first_write([hidden, classifier, bias, head, *chain], head, last, order)
+    # Through a looked-through cast, eager read the operand at the cast, before the head.
+    read_from = min([head, *casts], key=order.__getitem__)
+    written = safety.first_write([hidden, classifier, bias, head, *chain], read_from, last, order)
     written = written or safety.first_write(
         [targets, options["target"], options["weight"]], anchor, loss, order
     )
@@ -358,7 +385,9 @@ def match_site(loss: Node, order: dict[Node, int] | None = None) -> Site | Rejec
         bias=bias,
         chain=chain,
         log_softmax=options["log_softmax"],
+        loss_views=options["loss_views"],
         transposes=transposes,
+        operand_casts=casts,
         row_indices=list(reversed(walk.row_indices)),
         targets=targets,
         loss_targets=options["target"],
@@ -375,6 +404,20 @@ def match_site(loss: Node, order: dict[Node, int] | None = None) -> Site | Rejec
         kept_logits=[] if dropped else escaping,
         dropped_logits=dropped,
     )
+
+
+def _rounded_source(node: Any, dtype: torch.dtype, casts: list[Node]) -> Any:
+    """For an explicit cast of a float32 operand to the head's lower dtype (``w.bfloat16()``,
+    ``x.to(torch.float16)``), the float32 source: the op rounds it to ``compute_dtype`` itself,
+    as the cast would, without a V x D copy. Anything else: the node itself."""
+    if dtype == torch.float32 or not isinstance(node, Node) or p.cast_dtype(node) != dtype:
+        return node
+    source = node.args[0]
+    before, after = p.tensor_value(source), p.tensor_value(node)
+    if before is None or before.dtype != torch.float32 or before.device != after.device:
+        return node
+    casts.append(node)
+    return source
 
 
 def _rows_at_hidden(head: Node, chain: list[Node]) -> tuple:
@@ -475,7 +518,7 @@ def _outside_users(node: Node, chain: list[Node], loss: Node) -> list[Node]:
     return [u for u in node.users if u not in inside]
 
 
-def _classify_users(head, chain, loss, log_softmax, z_level):
+def _classify_users(head, chain, loss, loss_side, z_level):
     """Users of the head and chain outside it: a logsumexp over z, possibly through float32
     casts / contiguous (servable by the op's lse), or anything else (escaping).
 
@@ -485,7 +528,7 @@ def _classify_users(head, chain, loss, log_softmax, z_level):
     lse_users, side_nodes, escaping = [], [], []
     for node in [head, *chain]:
         for user in node.users:
-            if user in chain or user is loss or user is log_softmax:
+            if user in chain or user is loss or user in loss_side:
                 continue
             path, end = _through_casts(user)
             source = path[-1] if path else node

@@ -320,3 +320,41 @@ def size_source(size: Any, holders: dict[str, Node], sources: list[Node]) -> Any
         if value.dim() > 1 and same_size(math.prod(value.shape[:-1]), size):
             return source, None
     return None
+
+
+def class_dim_moved_last(node: Any) -> Node | None:
+    """x for ``x.transpose(1, 2)`` / ``x.permute(0, 2, 1)`` of a 3-D x: the (B, V, T) input
+    that cross_entropy reads with classes in dim 1, as the (B, T, V) rows of x."""
+    if not isinstance(node, Node):
+        return None
+    source = node.args[0] if node.args else None
+    value = tensor_value(source)
+    if value is None or value.dim() != 3:
+        return None
+    if is_method(node, {"transpose"}) or is_call(node, {torch.transpose}):
+        dims = tuple(d % 3 for d in node.args[1:3] if isinstance(d, int))
+        return source if sorted(dims) == [1, 2] else None
+    if is_method(node, {"permute"}) or is_call(node, {torch.permute}):
+        dims = node.args[1] if len(node.args) == 2 else node.args[1:]
+        return source if tuple(d % 3 for d in dims) == (0, 2, 1) else None
+    return None
+
+
+def bias_add(node: Any) -> tuple[Node, Node] | None:
+    """(x, b) for ``x + b`` / ``b + x`` with b a 1-D tensor as long as x's last dim."""
+    if not (is_call(node, {operator.add, torch.add}) or is_method(node, {"add"})):
+        return None
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    for x, b in (node.args, reversed(node.args)):
+        x_value, b_value = tensor_value(x), tensor_value(b)
+        if (
+            x_value is not None
+            and b_value is not None
+            and b_value.dim() == 1
+            and x_value.dim() >= 1
+            and same_size(b_value.shape[0], x_value.shape[-1])
+            and b_value.dtype == x_value.dtype
+        ):
+            return x, b
+    return None

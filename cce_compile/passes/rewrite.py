@@ -138,12 +138,16 @@ def rewrite_site(graph: Graph, site: Site) -> Node:
     rows = _operand(emit, site.hidden, site)  # the logits' leading shape at the head
     for index in site.row_indices:
         rows = emit(operator.getitem, rows, index)
-    hidden = _canonical_hidden(emit, _cast(emit, rows, dtype))
+    # Operands in a wider dtype than the head's (autocast, or a cast looked through) go to the
+    # op as they are, with compute_dtype: it rounds them as autocast would, and returns their
+    # gradients in their own dtypes, so no rounded V x D copy of the classifier is made.
+    operands = [n for n in (site.hidden, site.classifier, site.bias) if n is not None]
+    rounds = any(p.tensor_value(n).dtype != dtype for n in operands)
+    hidden = _canonical_hidden(emit, rows)
     classifier = _operand(emit, site.classifier, site)
     if site.classifier_is_transposed:
         classifier = emit(aten.t.default, classifier)
-    classifier = _cast(emit, classifier, dtype)
-    bias = _cast(emit, _operand(emit, site.bias, site), dtype)
+    bias = _operand(emit, site.bias, site)
     hidden_value = p.tensor_value(hidden)
     targets = emit(
         aten.reshape.default,
@@ -166,6 +170,7 @@ def rewrite_site(graph: Graph, site: Site) -> Node:
             targets=targets,
             bias=bias,
             class_weights=site.class_weights,
+            compute_dtype=dtype if rounds else None,
             ignore_index=site.ignore_index,
             reduction=site.reduction,
             label_smoothing=_as_float(site.label_smoothing),
@@ -200,10 +205,12 @@ def rewrite_site(graph: Graph, site: Site) -> Node:
         graph,
         [
             *reversed(site.lse_side_nodes),
+            *reversed(site.loss_views),
             site.log_softmax,
             *reversed(site.chain),
             site.head,
             *site.transposes,
+            *site.operand_casts,
         ],
     )
     return op

@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from harness import check
+from harness import OP, check
+
+from cce_compile.op_signature import FORWARD
 
 REPLACED = {
     F.cross_entropy,
@@ -195,6 +197,36 @@ def test_losses(loss):
     assert outcome.rewritten == 1 and fused(outcome)
 
 
+FORMS = {  # written as users write them; each compared with eager
+    "log_softmax-then-view-nll": lambda x, w, b, y: F.nll_loss(
+        F.log_softmax(F.linear(x, w).float(), -1).view(-1, V), y.view(-1)
+    ),
+    "class-dim-1-transpose": lambda x, w, b, y: F.cross_entropy(
+        F.linear(x, w).transpose(1, 2), y, label_smoothing=0.1
+    ),
+    "class-dim-1-permute-none": lambda x, w, b, y: F.cross_entropy(
+        F.linear(x, w).permute(0, 2, 1), y, reduction="none"
+    ).sum(),
+    "matmul-plus-bias": lambda x, w, b, y: ce(x @ w.T + b, y),
+    "bias-plus-matmul-softcap": lambda x, w, b, y: ce(torch.tanh((b + x @ w.t()) / 5.0) * 5.0, y),
+}
+
+
+@pytest.mark.parametrize("fn", FORMS.values(), ids=FORMS.keys())
+def test_forms_users_write(fn):
+    outcome = check(fn, inputs())
+    assert outcome.rewritten == 1 and fused(outcome)
+    assert operator.add not in outcome.targets()  # the bias went into the op
+
+
+def test_class_dim_1_without_a_move_is_left_alone():
+    x, w, b, y = inputs()
+    # A (B, V, T) tensor straight from a head over another layout: classes really in dim 1.
+    fn = lambda x, w, b, y: F.cross_entropy(F.linear(x, w).view(B, V, T), y)  # noqa: E731
+    outcome = check(fn, (x, w, b, y))
+    assert outcome.rewritten == 0
+
+
 def test_num_items_in_batch_tensor():
     def loss(x, w, y, n):
         return F.cross_entropy(F.linear(x, w).view(-1, V), y.view(-1), reduction="sum") / n.to(
@@ -261,26 +293,64 @@ def test_logsumexp_rows_must_be_the_loss_rows(fn, rewritten):
         assert outcome.skipped == {"logits_escape": 1}
 
 
-# --- autocast --------------------------------------------------------------------------------
+# --- autocast ---------------------------------------------------------------------------------
 
 
-def test_autocast_inside_compiled_region():
-    def loss(x, w, y):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = F.linear(x, w)
-        return ce(logits.float(), y)
+def no_rounded_copies(outcome) -> bool:
+    """The rewritten graphs hold no cast of an operand: the op rounds (compute_dtype)."""
+    casts = {"to", "bfloat16", "half", "type"}
+    return not any(
+        n.target is torch.ops.aten._to_copy.default or (n.op == "call_method" and n.target in casts)
+        for g in outcome.graphs
+        for n in g.graph.nodes
+    )
 
-    x, w, _, y = inputs()
-    assert check(loss, (x, w, y), dtype=torch.bfloat16).rewritten == 1
+
+AMP = {  # (loss, gradients: x, w, and b where it is used)
+    "autocast-inside": (lambda x, w, b, y: _autocast_head(x, w, b, y), 3),
+    "explicit-casts": (
+        lambda x, w, b, y: ce(
+            F.linear(x.to(torch.bfloat16), w.bfloat16(), b.to(torch.bfloat16)).float(), y
+        ),
+        3,
+    ),
+    "explicit-cast-matmul": (
+        lambda x, w, b, y: ce((x.bfloat16() @ w.to(torch.bfloat16).T).float(), y),
+        2,
+    ),
+}
+
+
+def _autocast_head(x, w, b, y):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = F.linear(x, w, b)
+    return ce(logits.float(), y)
+
+
+@pytest.mark.parametrize("fn, gradients", AMP.values(), ids=AMP.keys())
+def test_float32_weights_with_a_bf16_head_are_rounded_by_the_op(fn, gradients):
+    x, w, b, y = inputs()  # float32 leaves: their gradients must come back float32
+    outcome = check(fn, (x, w, b, y), dtype=torch.bfloat16)
+    assert outcome.rewritten == 1 and fused(outcome)
+    assert no_rounded_copies(outcome)
+    assert outcome.gradients == gradients  # compared with eager's, float32 like eager's
 
 
 def test_autocast_outside_compiled_region():
-    x, w, _, y = inputs()
+    x, w, b, y = inputs()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         outcome = check(
-            lambda x, w, y: ce(F.linear(x, w).float(), y), (x, w, y), dtype=torch.bfloat16
+            lambda x, w, b, y: ce(F.linear(x, w, b).float(), y), (x, w, b, y), dtype=torch.bfloat16
         )
+    assert outcome.rewritten == 1 and no_rounded_copies(outcome)
+
+
+def test_bf16_weights_need_no_rounding():
+    x, w, b, y = inputs(dtype=torch.bfloat16)
+    outcome = check(lambda x, w, y: ce(F.linear(x, w).float(), y), (x, w, y), dtype=torch.bfloat16)
     assert outcome.rewritten == 1
+    (op,) = [n for g in outcome.graphs for n in g.graph.nodes if n.target == OP]
+    assert op.args[FORWARD.index("compute_dtype")] is None
 
 
 # --- left alone ------------------------------------------------------------------------------
