@@ -312,10 +312,11 @@ def _blame_break(site: SiteReport, breaks: list[GraphBreak]) -> None:
         return
     cut = breaks[-1]
     resumed = re.search(r"torch_dynamo_resume_in_(.+)_at_(\d+)", site.location)
-    if resumed:  # the break Dynamo resumed this frame after: same function and line
+    if resumed:  # the break Dynamo resumed this frame after: same function (and line)
         function, line = resumed.groups()
-        same = [b for b in breaks if f"line {line}, in {function}" in b.location]
-        cut = same[-1] if same else cut
+        same = [b for b in breaks if b.location.endswith(f", in {function}")]
+        exact = [b for b in same if f"line {line}," in b.location]
+        cut = (exact or same or [cut])[-1]
     site.detail += f"; the last graph break before it: {cut.reason} at {cut.location}"
     text = f"{cut.reason} {cut.location} {cut.text}".lower()
     if any(m in text for m in ("distributed.py", "ddp", "set_runtime_stats_and_log")):

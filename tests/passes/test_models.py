@@ -2,7 +2,8 @@
 
 The recommended recipe compiles the training step that turns inputs into the loss, so the
 logits die inside the graph: ``step = lambda ids, labels: model(ids, labels=labels).loss``.
-Compiling the model itself returns the logits, which the pass must leave alone (and say why).
+Compiling the model itself returns the logits, which the pass leaves alone (and says why)
+unless CCE_ESCAPING_LOGITS=drop. ``hf_zoo.ZOO`` lists the families run in both recipes.
 """
 
 from __future__ import annotations
@@ -15,88 +16,43 @@ import torch.nn as nn
 import torch.nn.functional as F
 from harness import check
 
+from cce_compile import config
+
 transformers = pytest.importorskip("transformers")
+import hf_zoo  # noqa: E402  (needs transformers)
 
-VOCAB = 97
-
-
-def llama():
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
-def gemma2():
-    config = transformers.Gemma2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        final_logit_softcapping=30.0,
-        attn_logit_softcapping=None,
-    )
-    return transformers.Gemma2ForCausalLM(config)
-
-
-def gpt2():
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64
-    )
-    model = transformers.GPT2LMHeadModel(config)
-    # Without a loss_type, transformers logs a warning inside the loss: a graph break.
-    model.loss_type = "ForCausalLM"
-    return model
-
-
-MODELS = {"llama": llama, "gemma2-softcap": gemma2, "gpt2-tied": gpt2}
+VOCAB = hf_zoo.VOCAB
 
 
 def batch(seed=0, length=12):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (2, length), generator=gen)
-    labels = ids.clone()
-    labels[0, :3] = -100
-    return ids, labels
+    return hf_zoo.batch(seed, length)
 
 
-def _training_without_dropout(model):
-    """Training mode (the graphs users compile), dropout off: eager and compiled runs must
-    see the same values."""
-    model.train()
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-    return model
-
-
-@pytest.mark.parametrize("make", MODELS.values(), ids=MODELS.keys())
-def test_hugging_face_step_is_rewritten(make):
-    torch.manual_seed(0)
-    model = _training_without_dropout(make())
-
-    def step(ids, labels):
-        return model(input_ids=ids, labels=labels).loss
-
-    outcome = check(step, batch(), parameters=model.parameters())
+@pytest.mark.parametrize("model_type", hf_zoo.ZOO)
+def test_hugging_face_step_is_rewritten(model_type):
+    """The recommended recipe: compile the step that returns the loss."""
+    model = hf_zoo.tiny(model_type)
+    outcome = check(hf_zoo.step(model), batch(), parameters=model.parameters())
     assert outcome.rewritten == 1 and outcome.has_op
     # The harness compared every parameter's gradient with eager; all of them exist.
     assert outcome.gradients == len(list(model.parameters()))
 
 
+@pytest.mark.parametrize("model_type", hf_zoo.ZOO)
+def test_hugging_face_whole_model_with_dropped_logits(model_type):
+    """torch.compile(model) returns the logits: with CCE_ESCAPING_LOGITS=drop the loss is
+    fused and the logits come back as a data-less 'meta' tensor."""
+    model = hf_zoo.tiny(model_type)
+    with config.override(escaping_logits="drop"):
+        outcome = check(
+            hf_zoo.whole(model), batch(), parameters=model.parameters(), dropped_logits=True
+        )
+    assert outcome.rewritten == 1 and outcome.has_op
+    assert outcome.gradients == len(list(model.parameters()))
+
+
 def test_hugging_face_num_items_in_batch():
-    torch.manual_seed(0)
-    model = _training_without_dropout(llama())
+    model = hf_zoo.tiny("llama")
 
     def step(ids, labels, n):
         return model(input_ids=ids, labels=labels, num_items_in_batch=n).loss
@@ -107,25 +63,45 @@ def test_hugging_face_num_items_in_batch():
 
 
 def test_compiling_the_model_itself_leaves_escaping_logits_alone():
-    torch.manual_seed(0)
-    model = _training_without_dropout(llama())
-    ids, labels = batch()
-    outcome = check(
-        lambda i, lab: model(input_ids=i, labels=lab),
-        (ids, labels),
-        backward_all=True,
-        parameters=model.parameters(),
-    )
+    model = hf_zoo.tiny("llama")
+    outcome = check(hf_zoo.whole(model), batch(), backward_all=True, parameters=model.parameters())
     assert outcome.rewritten == 0 and outcome.skipped == {"logits_escape": 1}
 
 
+def _gpt2_without_loss_type():
+    model = hf_zoo.tiny("gpt2")
+    assert model.loss_type is None  # transformers warns inside the loss: a logging call
+    return model
+
+
+def _llama_with_gradient_checkpointing():
+    model = hf_zoo.tiny("llama")
+    model.gradient_checkpointing_enable()  # use_cache=True: a warning inside the forward
+    return model
+
+
+LOGGING_BREAKS = {
+    "gpt2-loss-type-warning": _gpt2_without_loss_type,
+    "llama-gradient-checkpointing": _llama_with_gradient_checkpointing,
+}
+
+
+@pytest.mark.parametrize("make", LOGGING_BREAKS.values(), ids=LOGGING_BREAKS.keys())
+@pytest.mark.parametrize("backend", ["cce", "hook"])
+def test_transformers_logging_does_not_cut_the_graph(make, backend):
+    """transformers logs a warning between lm_head and the loss; with the cce backend or
+    enable() Dynamo leaves the call out, so head and loss stay in one graph."""
+    import transformers.utils.logging as hf_logging
+
+    hf_logging.warning_once.cache_clear()  # the warning fires again in this test
+    model = make()
+    outcome = check(hf_zoo.step(model), batch(), backend=backend, parameters=model.parameters())
+    assert outcome.rewritten == 1 and len(outcome.graphs) == 1
+
+
 def test_hugging_face_with_the_inductor_backend():
-    torch.manual_seed(0)
-    model = _training_without_dropout(gemma2())
-
-    def step(ids, labels):
-        return model(input_ids=ids, labels=labels).loss
-
+    model = hf_zoo.tiny("gemma2")
+    step = hf_zoo.step(model)
     assert check(step, batch(), backend="cce", parameters=model.parameters()).rewritten == 1
 
 
