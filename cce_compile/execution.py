@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from . import config, policy, torch_path
+from . import config, filtering, policy, torch_path
 from .interface import ForwardOut, Gradients, Implementation, Needs
 from .loss_math import LossSpec, check_targets_in_range, row_targets
 from .op_signature import Bound
@@ -98,10 +98,22 @@ def forward(args: Bound) -> ForwardOut:
             needs=needs_of(args),
             budget_bytes=_budget_of(args),
             compute_dtype=_compute_dtype(args),
+            grad_filter=args.grad_filter if _filtered(args, spec) else None,
         )
     if out.grad_hidden is not None:  # the op returns it in hidden's own dtype
         out.grad_hidden = out.grad_hidden.to(args.hidden.dtype)
     return out
+
+
+def _filtered(args: Bound, spec: LossSpec) -> bool:
+    """Gradient filtering for this call: asked for, lean mode, gradients wanted."""
+    if args.grad_filter is None:
+        return False
+    filtering.check_beta(args.grad_filter)
+    if args.mode != "lean":
+        raise ValueError("grad_filter filters the lean backward: it needs mode 'lean'")
+    filtering.check_spec(spec)
+    return needs_of(args).any
 
 
 def _budget_of(args: Bound) -> int:
@@ -156,6 +168,7 @@ def backward(args: Bound) -> Gradients:
                 needs=needs,
                 budget_bytes=_budget_of(args),
                 compute_dtype=_compute_dtype(args),
+                keep_blocks=args.keep_blocks,
             )
             for i, (extra, like) in enumerate(zip(computed, inputs)):
                 if extra is not None:

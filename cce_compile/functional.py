@@ -15,7 +15,7 @@ import math
 import torch
 from torch import Tensor
 
-from . import config, execution, torch_path
+from . import config, execution, filtering, torch_path
 from . import ops as _ops  # registers torch.ops.cce
 from .loss_math import REDUCTIONS, LossSpec
 from .op_signature import FORWARD
@@ -195,6 +195,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     return_lse: bool = False,
     mode: str | None = None,
+    grad_filter: float | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Cross-entropy of ``hidden @ classifier.T (+ bias)`` against ``targets``, no logits stored.
 
@@ -230,6 +231,10 @@ def linear_cross_entropy(
             unweighted mean over non-ignored rows for 'mean').
         return_lse: also return the per-row log-sum-exp of the (capped) logits, differentiable.
         mode: 'lean', 'fast' or 'auto'; None takes the configured mode (CCE_MODE).
+        grad_filter: gradient filtering (filtering.py; lean mode): each row may drop the
+            softmax term of its lightest blocks of 256 classes up to this much probability
+            mass (e.g. 2**-12), with the error bound stated there; the loss is unchanged.
+            None (default): exact gradients. For fine-tuning; not for pretraining.
 
     Forward-mode AD and functorch transforms (``torch.func.grad``, ``jvp``, ``vjp``,
     ``jacrev``, ``vmap``) are served exactly by PyTorch's autograd over chunked float32 logits
@@ -244,6 +249,14 @@ def linear_cross_entropy(
     _validate_options(
         hidden, ignore_index, reduction, label_smoothing, softcap, logit_scale, shift, z_loss, mode
     )
+    if grad_filter is not None:
+        if isinstance(grad_filter, bool) or not isinstance(grad_filter, (int, float)):
+            raise TypeError(f"grad_filter must be a float or None, got {type(grad_filter)}")
+        filtering.check_beta(float(grad_filter))
+        if mode == "fast":
+            raise ValueError("grad_filter filters the lean backward: mode='fast' cannot use it")
+        if label_smoothing and softcap is not None:
+            filtering.check_spec(LossSpec(label_smoothing=float(label_smoothing), softcap=1.0))
     # Under autocast F.linear rounds its inputs to the autocast dtype: the op does the same
     # inside, and returns gradients in the inputs' own dtypes (float32 weights keep float32
     # gradients, with no rounded copy of the classifier).
@@ -294,15 +307,12 @@ def linear_cross_entropy(
         )
     else:
         loss, lse = _call_op(
-            hidden3,
-            classifier,
-            targets2,
-            bias,
-            class_weights,
+            (hidden3, classifier, targets2, bias, class_weights),
             compute_dtype,
             options,
-            mode,
-            return_lse,
+            mode=mode,
+            return_lse=return_lse,
+            grad_filter=None if grad_filter is None else float(grad_filter),
         )
     if reduction == "none":
         loss = loss.reshape(rows_shape)
@@ -311,10 +321,9 @@ def linear_cross_entropy(
     return loss
 
 
-def _call_op(
-    hidden, classifier, targets, bias, class_weights, compute_dtype, options, mode, return_lse
-):
+def _call_op(tensors, compute_dtype, options, *, mode, return_lse, grad_filter):
     """(loss, lse) from ``torch.ops.cce.linear_cross_entropy`` in the chosen mode."""
+    hidden, classifier, targets, bias, class_weights = tensors
     grad_on = torch.is_grad_enabled()
     needs_h = grad_on and hidden.requires_grad
     needs_c = grad_on and classifier.requires_grad
@@ -322,7 +331,7 @@ def _call_op(
     settings = config.get()
     problem = execution.problem_of(hidden, classifier, options["shift"], compute_dtype)
     chosen = choose_mode(
-        mode or settings.mode,
+        "lean" if grad_filter is not None else mode or settings.mode,
         reduction=options["reduction"],
         needs_grad=needs_h or needs_c or needs_b,
         needs_classifier=needs_c,
@@ -346,6 +355,7 @@ def _call_op(
             grad_classifier=needs_c,
             grad_bias=needs_b,
             implementation_version=_ops.IMPLEMENTATION_VERSION,
+            grad_filter=grad_filter,
         )
     )
     return loss, lse

@@ -44,6 +44,7 @@ class ForwardOut:
     grad_hidden: torch.Tensor | None = None  # fast mode: hidden's dtype, (B, T, D)
     grad_classifier: torch.Tensor | None = None  # fast mode: float32 accumulator (V, D)
     grad_bias: torch.Tensor | None = None  # fast mode: float32 accumulator (V,)
+    keep_blocks: torch.Tensor | None = None  # gradient filtering: (N, blocks) uint8
 
 
 Gradients = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -57,6 +58,7 @@ class RowStats:
     lse: torch.Tensor  # (N,) float32 logsumexp_j z_ij
     target_logit: torch.Tensor  # (N,) float32 z_it, 0 where t is not among the classes
     wsum: torch.Tensor | None  # (N,) float32 sum_j w_j z_ij, with label smoothing only
+    block_lse: torch.Tensor | None = None  # (blocks, N) per block of classes (filtering.py)
 
 
 class Implementation(Protocol):
@@ -74,10 +76,12 @@ class Implementation(Protocol):
         needs: Needs,
         budget_bytes: int,
         compute_dtype: torch.dtype | None = None,
+        grad_filter: float | None = None,
     ) -> ForwardOut:
         """Loss and per-row lse; with ``fast``, also the gradients in ``needs`` for a unit
         upstream gradient of the loss. ``compute_dtype``: the dtype the head's operands are
-        rounded to before the GEMM (None: their own, which then agree)."""
+        rounded to before the GEMM (None: their own, which then agree). ``grad_filter``
+        (lean): also the mask of blocks the backward may skip (``keep_blocks``)."""
 
     def backward(
         self,
@@ -95,6 +99,7 @@ class Implementation(Protocol):
         needs: Needs,
         budget_bytes: int,
         compute_dtype: torch.dtype | None = None,
+        keep_blocks: torch.Tensor | None = None,
     ) -> Gradients:
         """Gradients in ``needs`` from upstream ``grad_loss`` ('none': (N,)) and ``grad_lse``
         ((N,)), either may be None; hidden's in its dtype, the others float32 or input dtype."""
@@ -120,9 +125,11 @@ class Implementation(Protocol):
         all_rows: bool,
         budget_bytes: int,
         compute_dtype: torch.dtype | None = None,
+        block_lse: bool = False,
     ) -> RowStats:
         """lse, target logit and (with smoothing) weighted sum of each row's logits over the
-        given classes. Without ``all_rows``, ignored rows' statistics may be skipped."""
+        given classes (and with ``block_lse`` per block of classes, for filtering). Without
+        ``all_rows``, ignored rows' statistics may be skipped."""
 
     def gradients(
         self,
@@ -139,6 +146,7 @@ class Implementation(Protocol):
         needs: Needs,
         budget_bytes: int,
         compute_dtype: torch.dtype | None = None,
+        keep_blocks: torch.Tensor | None = None,
     ) -> Gradients:
         """Gradients from dz = coef_p * exp(z - lse) - coef_t * onehot - coef_w * w over the
         given classes: hidden's in float32 (a partial sum when the vocabulary is split), the

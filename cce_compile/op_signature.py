@@ -113,9 +113,12 @@ FORWARD = Signature(
         Argument("mode", "str"),  # "lean" or "fast"
         *_GRAD_FLAGS,
         Argument("implementation_version", "int"),  # see versioning.py
+        # Gradient filtering's per-row budget of skipped softmax mass (filtering.py); lean only.
+        Argument("grad_filter", "float?", default=None),
     ]
 )
-FORWARD_RETURNS = "(Tensor, Tensor, Tensor, Tensor, Tensor)"
+# loss, lse, fast_grad_hidden, fast_grad_classifier, fast_grad_bias, keep_blocks
+FORWARD_RETURNS = "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 
 BACKWARD = Signature(
     [
@@ -126,6 +129,7 @@ BACKWARD = Signature(
         Argument("fast_grad_hidden", "Tensor?"),
         Argument("fast_grad_classifier", "Tensor?"),
         Argument("fast_grad_bias", "Tensor?"),
+        Argument("keep_blocks", "Tensor?", default=None),  # gradient filtering's mask
         *_OPTIONS,
         Argument("lse_all_rows", "bool"),
         *_GRAD_FLAGS,

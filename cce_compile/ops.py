@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import execution, versioning
+from . import execution, filtering, versioning
 from .op_signature import BACKWARD, BACKWARD_RETURNS, FORWARD, FORWARD_RETURNS, LOSS_OPTIONS
 
 IMPLEMENTATION_VERSION = versioning.IMPLEMENTATION_VERSION
@@ -32,13 +32,21 @@ def _row_shape(hidden: Tensor, shift: int) -> tuple:
     return (hidden.shape[0], hidden.shape[1] - shift)
 
 
-def _forward(*values) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (loss, lse, fast_grad_hidden, fast_grad_classifier, fast_grad_bias).
+def _filters(args) -> bool:
+    """Does this call filter its gradients (filtering.py)? Lean mode with gradients only."""
+    wanted = args.grad_hidden or args.grad_classifier or args.grad_bias
+    return args.grad_filter is not None and args.mode == "lean" and wanted
+
+
+def _forward(*values) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (loss, lse, fast_grad_hidden, fast_grad_classifier, fast_grad_bias,
+    keep_blocks).
 
     ``loss`` is float32, a scalar or (B, T - shift) for reduction 'none'; ``lse`` is float32
-    (B, T - shift) (0 at ignored rows unless ``lse_all_rows``). In mode 'fast' the last three
-    are d loss / d input for a unit upstream gradient (hidden's dtype for hidden, float32 for
-    classifier and bias) where requested, else empty; in mode 'lean' they are always empty.
+    (B, T - shift) (0 at ignored rows unless ``lse_all_rows``). In mode 'fast' the three
+    ``fast_*`` are d loss / d input for a unit upstream gradient (hidden's dtype for hidden,
+    float32 for classifier and bias) where requested, else empty; in mode 'lean' they are
+    always empty. ``keep_blocks`` is gradient filtering's (N, blocks) uint8 mask, else empty.
     """
     args = FORWARD.bind(values)
     out = execution.forward(args)
@@ -52,6 +60,7 @@ def _forward(*values) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         out.grad_hidden if out.grad_hidden is not None else _empty(hidden),
         out.grad_classifier if out.grad_classifier is not None else _empty(classifier, f32),
         out.grad_bias if out.grad_bias is not None else _empty(classifier, f32),
+        out.keep_blocks if out.keep_blocks is not None else _empty(classifier, torch.uint8),
     )
 
 
@@ -71,6 +80,11 @@ def _forward_fake(*values):
         classifier.new_empty(bias.shape, dtype=f32)
         if fast and args.grad_bias and bias is not None
         else _empty(classifier, f32),
+        classifier.new_empty(
+            (rows[0] * rows[1], filtering.block_count(classifier.shape[0])), dtype=torch.uint8
+        )
+        if _filters(args)
+        else _empty(classifier, torch.uint8),
     )
 
 
@@ -116,8 +130,9 @@ _PASSED_ON = ("compute_dtype", *LOSS_OPTIONS, "lse_all_rows")  # forward -> back
 def _setup_context(ctx, inputs, output) -> None:
     args = FORWARD.bind(inputs)
     versioning.check(args.implementation_version)
-    loss, lse, fast_h, fast_c, fast_b = output
-    ctx.mark_non_differentiable(fast_h, fast_c, fast_b)
+    loss, lse, fast_h, fast_c, fast_b, keep_blocks = output
+    ctx.mark_non_differentiable(fast_h, fast_c, fast_b, keep_blocks)
+    ctx.filtered = _filters(args)
     # Unused outputs get None, not zeros: fast mode then knows statically that lse carries no
     # gradient, and the backward skips work for it.
     ctx.set_materialize_grads(False)
@@ -140,11 +155,12 @@ def _setup_context(ctx, inputs, output) -> None:
         fast_h,
         fast_c,
         fast_b,
+        keep_blocks,
     )
 
 
 def _backward(ctx, grad_loss, grad_lse, *_unused):
-    hidden, classifier, targets, bias, class_weights, lse, fast_h, fast_c, fast_b = (
+    hidden, classifier, targets, bias, class_weights, lse, fast_h, fast_c, fast_b, keep = (
         ctx.saved_tensors
     )
     needed = dict(zip(FORWARD.names, ctx.needs_input_grad))
@@ -171,6 +187,7 @@ def _backward(ctx, grad_loss, grad_lse, *_unused):
             fast_grad_hidden=fast[0],
             fast_grad_classifier=fast[1],
             fast_grad_bias=fast[2],
+            keep_blocks=keep if ctx.filtered else None,
             grad_hidden=needs_h,
             grad_classifier=needs_c,
             grad_bias=needs_b,

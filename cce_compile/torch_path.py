@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
+from . import filtering
 from .interface import Coefficients, ForwardOut, Gradients, Needs, RowStats
 from .loss_math import (
     LossSpec,
@@ -103,13 +104,17 @@ def _grad_from_logits(
     columns: _ClassTargets,
     w32: torch.Tensor | None,
     spec: LossSpec,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """d loss / d (h @ c.T + b) for one chunk from its logits ``z``, which it overwrites."""
+    """d loss / d (h @ c.T + b) for one chunk from its logits ``z``, which it overwrites;
+    ``keep`` (n, blocks): gradient filtering drops the softmax term elsewhere."""
     tanh_grad = None
     if spec.softcap is not None:
         tanh_grad = 1.0 - (z / spec.softcap).square()
     coef_p, coef_t, coef_w = coefs
     grad = z.sub_(lse[:, None]).exp_().mul_(coef_p[:, None])
+    if keep is not None:
+        grad.mul_(filtering.keep_columns(keep, grad.shape[1]))
     grad.scatter_add_(1, columns.index[:, None], torch.where(columns.hit, -coef_t, 0.0)[:, None])
     if spec.label_smoothing:
         grad.sub_(coef_w[:, None] * (w32 if w32 is not None else 1.0))
@@ -175,8 +180,10 @@ def logit_stats(
     all_rows: bool,
     budget_bytes: int,
     compute_dtype: torch.dtype | None = None,
+    block_lse: bool = False,
 ) -> RowStats:
-    """Per-row lse, target logit and weighted sum over the given classes (every row)."""
+    """Per-row lse, target logit and weighted sum over the given classes (every row), and
+    with ``block_lse`` the lse of each block of classes (filtering.py)."""
     vocab = classifier.shape[0]
     c32, b32, w32 = _operands(classifier, bias, class_weights, compute_dtype)
     columns = _ClassTargets.of(targets, spec, col_start, vocab)
@@ -185,6 +192,9 @@ def logit_stats(
     lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
     target_logit = torch.empty_like(lse)
     wsum = torch.empty_like(lse) if spec.needs_wsum else None
+    blocks = None
+    if block_lse:
+        blocks = torch.empty((filtering.block_count(vocab), n_rows), device=hidden.device)
     for start, stop in _chunks(n_rows, cpu_chunk_rows(vocab, budget_bytes)):
         z = _logits(
             _float(rows_io.read(start, stop), compute_dtype),
@@ -194,7 +204,9 @@ def logit_stats(
             spec.softcap,
         )
         _write_stats(z, columns.slice(start, stop), w32, (lse, target_logit, wsum), start, stop)
-    return RowStats(lse, target_logit, wsum)
+        if blocks is not None:
+            blocks[:, start:stop] = filtering.block_lse_of_logits(z).t()
+    return RowStats(lse, target_logit, wsum, blocks)
 
 
 def _write_stats(z, columns: _ClassTargets, w32, stats, start: int, stop: int) -> None:
@@ -220,8 +232,10 @@ def forward(
     needs: Needs,
     budget_bytes: int,
     compute_dtype: torch.dtype | None = None,
+    grad_filter: float | None = None,
 ) -> ForwardOut:
-    """Loss and per-row lse; with ``fast``, also the gradients for a unit upstream gradient."""
+    """Loss and per-row lse; with ``fast``, also the gradients for a unit upstream gradient;
+    with ``grad_filter`` (lean), the blocks the backward computes."""
     vocab = classifier.shape[0]
     rows = row_targets(targets, class_weights, spec, vocab)
     if not (fast and needs.any):
@@ -236,9 +250,15 @@ def forward(
             all_rows=lse_all_rows,
             budget_bytes=budget_bytes,
             compute_dtype=compute_dtype,
+            block_lse=grad_filter is not None,
         )
         loss = finish_loss(stats.lse, stats.target_logit, stats.wsum, rows, spec, vocab)
-        return ForwardOut(loss, returned_lse(stats.lse, rows, lse_all_rows))
+        out = ForwardOut(loss, returned_lse(stats.lse, rows, lse_all_rows))
+        if grad_filter is not None:
+            out.keep_blocks = filtering.keep_blocks(
+                stats.block_lse, stats.lse, rows.targets, grad_filter
+            )
+        return out
     c32, b32, w32 = _operands(classifier, bias, class_weights, compute_dtype)
     columns = _ClassTargets.of(targets, spec, 0, vocab)
     rows_io = _Rows(hidden, spec.shift)
@@ -278,8 +298,10 @@ def gradients(
     needs: Needs,
     budget_bytes: int,
     compute_dtype: torch.dtype | None = None,
+    keep_blocks: torch.Tensor | None = None,
 ) -> Gradients:
-    """float32 gradients from per-row coefficients, recomputing the logits chunk by chunk."""
+    """float32 gradients from per-row coefficients, recomputing the logits chunk by chunk
+    (``keep_blocks``: gradient filtering's mask, filtering.py)."""
     vocab = classifier.shape[0]
     c32, b32, w32 = _operands(classifier, bias, class_weights, compute_dtype)
     columns = _ClassTargets.of(targets, spec, col_start, vocab)
@@ -289,8 +311,9 @@ def gradients(
         h32 = _float(rows_io.read(start, stop), compute_dtype)
         z = _logits(h32, c32, b32, spec.logit_scale, spec.softcap)
         chunk_coefs = tuple(c[start:stop] for c in coefs)
+        keep = None if keep_blocks is None else keep_blocks[start:stop]
         grad = _grad_from_logits(
-            z, lse[start:stop], chunk_coefs, columns.slice(start, stop), w32, spec
+            z, lse[start:stop], chunk_coefs, columns.slice(start, stop), w32, spec, keep
         )
         acc.add(rows_io, start, stop, grad, h32, c32)
     return acc.hidden, acc.classifier, acc.bias
@@ -311,6 +334,7 @@ def backward(
     needs: Needs,
     budget_bytes: int,
     compute_dtype: torch.dtype | None = None,
+    keep_blocks: torch.Tensor | None = None,
 ) -> Gradients:
     """Gradients for hidden (its dtype) and float32 ones for classifier and bias."""
     vocab = classifier.shape[0]
@@ -329,6 +353,7 @@ def backward(
         needs=needs,
         budget_bytes=budget_bytes,
         compute_dtype=compute_dtype,
+        keep_blocks=keep_blocks,
     )
     if grad_hidden is not None:
         grad_hidden = grad_hidden.to(hidden.dtype)

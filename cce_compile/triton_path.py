@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from . import policy
+from . import filtering, policy
 from .interface import Coefficients, ForwardOut, Gradients, Needs, RowStats
 from .kernels.chunk_softmax_grad import chunk_softmax_grad
 from .kernels.common import RowLayout, TileConfig, check_operands, row_layout
@@ -177,6 +177,7 @@ def forward(
     needs: Needs,
     budget_bytes: int,
     compute_dtype: torch.dtype | None = None,
+    grad_filter: float | None = None,
 ) -> ForwardOut:
     vocab = classifier.shape[0]
     rows = row_targets(targets, class_weights, spec, vocab)
@@ -197,9 +198,15 @@ def forward(
         all_rows=lse_all_rows,
         budget_bytes=budget_bytes,
         compute_dtype=compute_dtype,
+        block_lse=grad_filter is not None,
     )
     loss = finish_loss(stats.lse, stats.target_logit, stats.wsum, rows, spec, vocab)
-    return ForwardOut(loss, returned_lse(stats.lse, rows, lse_all_rows))
+    out = ForwardOut(loss, returned_lse(stats.lse, rows, lse_all_rows))
+    if grad_filter is not None:
+        out.keep_blocks = filtering.keep_blocks(
+            stats.block_lse, stats.lse, rows.targets, grad_filter
+        )
+    return out
 
 
 def logit_stats(
@@ -214,9 +221,11 @@ def logit_stats(
     all_rows: bool,
     budget_bytes: int,
     compute_dtype: torch.dtype | None = None,
+    block_lse: bool = False,
 ) -> RowStats:
     """Per-row lse, target logit and weighted sum from per-tile partials (``lse_forward``);
-    a classifier to be rounded is rounded one slab of classes at a time."""
+    a classifier to be rounded is rounded one slab of classes at a time. ``block_lse``: also
+    the lse per block of classes (filtering.py), from the same partials."""
     hidden = _rounded(compute_dtype, hidden)
     vocab, dim = classifier.shape
     config = _tile_config(
@@ -256,7 +265,8 @@ def logit_stats(
             ),
         )
     wsum = partial_wsum.sum(0) if partial_wsum is not None else None
-    return RowStats(torch.logsumexp(partial_lse, dim=0), target_logit, wsum)
+    blocks = filtering.block_lse_from_partials(partial_lse, tile) if block_lse else None
+    return RowStats(torch.logsumexp(partial_lse, dim=0), target_logit, wsum, blocks)
 
 
 def _forward_fast(
@@ -365,6 +375,7 @@ def backward(
     needs: Needs,
     budget_bytes: int,
     compute_dtype: torch.dtype | None = None,
+    keep_blocks: torch.Tensor | None = None,
 ) -> Gradients:
     vocab = classifier.shape[0]
     rows = row_targets(targets, class_weights, spec, vocab)
@@ -382,6 +393,7 @@ def backward(
         needs=needs,
         budget_bytes=budget_bytes,
         compute_dtype=compute_dtype,
+        keep_blocks=keep_blocks,
     )
     if grad_hidden is not None:
         grad_hidden = grad_hidden.to(hidden.dtype)
@@ -402,6 +414,7 @@ def gradients(
     needs: Needs,
     budget_bytes: int,
     compute_dtype: torch.dtype | None = None,
+    keep_blocks: torch.Tensor | None = None,
 ) -> Gradients:
     """Slab by slab of classes: ``logit_grad`` recomputes the slab's logits and writes their
     gradient, cuBLAS turns it into d hidden (float32, accumulated) and d classifier[slab]
@@ -418,9 +431,10 @@ def gradients(
     lse_positions = layout.rows_to_positions(lse)
     config = _tile_config(device, _heavy(spec, class_weights), hidden.element_size(), dim=dim)
     problem = _problem(layout, classifier, hidden, compute_dtype)
-    width = _tile_width(
-        policy.lean_slab_columns(problem, needs.hidden, budget_bytes), config.block_v, vocab
-    )
+    # Filtered slabs start on filtering blocks, so that no tile straddles two.
+    unit = filtering.FILTER_BLOCK if keep_blocks is not None else config.block_v
+    width = _tile_width(policy.lean_slab_columns(problem, needs.hidden, budget_bytes), unit, vocab)
+    keep = None if keep_blocks is None else layout.rows_to_positions(keep_blocks)
     n_positions = layout.n_positions
     slab_buf = torch.empty((n_positions, width), dtype=_work_dtype(hidden), device=device)
     grad_positions = (
@@ -453,6 +467,8 @@ def gradients(
             softcap=spec.softcap,
             smoothing=spec.needs_wsum,
             config=config,
+            keep=keep,
+            filter_block=filtering.FILTER_BLOCK,
         )
         if grad_positions is not None:
             _addmm_f32_(grad_positions, slab, classifier_slab, first=start == 0)

@@ -45,6 +45,7 @@ def _logit_grad_kernel(
     coef_p,
     coef_t,
     coef_w,
+    keep,
     slab,
     n_positions,
     seq_stride,
@@ -60,10 +61,13 @@ def _logit_grad_kernel(
     stride_tb,
     stride_tt,
     stride_sn,
+    n_blocks,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
+    HAS_FILTER: tl.constexpr,
+    FILTER_BLOCK: tl.constexpr,
     USE_TMA: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -88,10 +92,26 @@ def _logit_grad_kernel(
     c_w = tl.load(coef_w + pos_c)
     # NaN coefficients (out-of-range targets) count as active and poison their row.
     active = in_range & ((c_p != 0.0) | (c_t != 0.0) | (c_w != 0.0))
-    if tl.max(active.to(tl.int32), axis=0) == 0:
-        grad = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
+    cols_c = tl.minimum(cols, width - 1)
+    if HAS_FILTER:
+        # Gradient filtering (filtering.py): rows that skip this tile's block of classes drop
+        # its softmax term; a tile no active row keeps needs no recompute. The tile lies in
+        # one block: slabs start on block boundaries and FILTER_BLOCK % BLOCK_V == 0.
+        block = (target_offset + first_col) // FILTER_BLOCK
+        kept = tl.load(keep + pos_c.to(tl.int64) * n_blocks + block) != 0
+        computed = active & kept
     else:
-        cols_c = tl.minimum(cols, width - 1)
+        computed = active
+    if tl.max(computed.to(tl.int32), axis=0) == 0:
+        grad = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
+        if HAS_FILTER and HAS_SMOOTHING:  # the uniform term is exact without the logits
+            if HAS_WEIGHTS:
+                w = tl.load(class_weights + cols_c).to(tl.float32)
+                grad -= c_w[:, None] * w[None, :]
+            else:
+                grad -= c_w[:, None]
+            grad = tl.where(active[:, None], grad * logit_scale, 0.0)
+    else:
         z = capped_logits_tile(
             hidden,
             classifier,
@@ -115,6 +135,8 @@ def _logit_grad_kernel(
             DOT_PRECISION,
         )
         grad = c_p[:, None] * tl.exp(z - tl.load(lse + pos_c)[:, None])
+        if HAS_FILTER:
+            grad = tl.where(kept[:, None], grad, 0.0)
         tgt = tl.load(targets + t_off) - target_offset  # as a column of this slab
         grad -= tl.where(cols[None, :] == tgt[:, None], c_t[:, None], 0.0)
         if HAS_SMOOTHING:
@@ -154,6 +176,8 @@ def logit_grad(
     softcap: float,
     smoothing: bool,
     config: TileConfig | None = None,
+    keep: torch.Tensor | None = None,
+    filter_block: int = 256,
 ) -> torch.Tensor:
     """Fill ``slab`` (positions x width, unit column stride) with the gradient of the loss
     w.r.t. the pre-activation logits of ``classifier``'s classes (width = its rows): a slab
@@ -162,7 +186,11 @@ def logit_grad(
     Everything is indexed by *position* of ``row_layout(hidden, shift)``: ``lse`` and the
     coefficient vectors are (n_positions,) float32 (coefficients 0 at positions that are no
     loss row), and so are the slab's rows — the layout that the cuBLAS GEMMs consuming the slab
-    read without copies."""
+    read without copies.
+
+    ``keep`` (n_positions, blocks) uint8: gradient filtering's mask (filtering.py), 1 where
+    the position computes the softmax term of a block of ``filter_block`` classes; the slab
+    must then start on a block boundary (``target_offset``)."""
     config = config or TileConfig()
     bias, class_weights, classifier = check_operands(
         hidden, classifier, targets, bias, class_weights, shift
@@ -175,6 +203,12 @@ def logit_grad(
     for name, t in zip(("lse", "coef_p", "coef_t", "coef_w"), (lse, *coefs)):
         if t.shape != (n_positions,) or t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous float32 ({n_positions},)")
+    if keep is not None:
+        if keep.dtype != torch.uint8 or keep.dim() != 2 or keep.shape[0] != n_positions:
+            raise ValueError(f"keep must be uint8 ({n_positions}, blocks)")
+        if target_offset % filter_block or filter_block % config.block_v:
+            raise ValueError("filtered slabs start on a block and tiles divide the block")
+        keep = keep.contiguous()
     if n_positions == 0 or width == 0:
         return slab
     hidden_arg, classifier_arg, use_tma = operand_args(layout, classifier, config)
@@ -194,6 +228,7 @@ def logit_grad(
         targets,
         lse,
         *coefs,
+        keep if keep is not None else lse,
         slab_arg,
         layout.n_positions,
         layout.seq_stride,
@@ -208,8 +243,11 @@ def logit_grad(
         classifier.stride(0),
         *targets.stride(),
         slab.stride(0),
+        keep.shape[1] if keep is not None else 1,
         HAS_WEIGHTS=class_weights is not None,
         HAS_SMOOTHING=smoothing,
+        HAS_FILTER=keep is not None,
+        FILTER_BLOCK=filter_block,
         **gemm_launch_options(
             config, hidden, use_tma=use_tma, has_bias=bias is not None, softcap=softcap
         ),
