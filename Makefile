@@ -7,11 +7,18 @@ PYTEST_ARGS ?=
 
 .PHONY: install test demo lint clean
 
+# Each step says what it does: the torch download alone can take minutes, so pip shows its
+# progress bar for it (and for the rest) instead of running quietly.
 $(VENV)/.installed: pyproject.toml
+	@echo "[1/4] creating $(VENV)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "[2/4] upgrading pip"
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q "torch>=2.6"
-	$(PY) -m pip install -q -e ".[test,demo,dev]"
+	@echo "[3/4] installing torch (a large download: ~1-3 minutes; progress below)"
+	$(PY) -m pip install --progress-bar on "torch==2.13.0" || $(PY) -m pip install --progress-bar on "torch>=2.6"
+	@echo "[4/4] installing cce_compile and its test/demo/dev extras"
+	$(PY) -m pip install --progress-bar on -e ".[test,demo,dev]"
+	@echo "installed into $(VENV)"
 	touch $@
 
 install: $(VENV)/.installed

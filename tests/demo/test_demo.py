@@ -52,11 +52,14 @@ def test_demo_end_to_end(arch, mode, tmp_path, capsys):
     assert cce_config.get() is settings_before  # --mode is scoped to the demo
     printed = capsys.readouterr().out
     assert "sites rewritten by the pass" in printed
+    assert "compiling (the first step takes" in printed
     result = json.loads((tmp_path / "out" / f"demo_{arch}.json").read_text())
     baseline, fused = result["runs"]
     assert result["meta"]["settings"]["mode"] == (mode or settings_before.mode)
     assert baseline["rewritten_sites"] == 0 and fused["rewritten_sites"] >= 1
     assert len(baseline["losses"]) == len(fused["losses"]) == 6
+    # Measured on the CPU too (one step's allocations), the same way for both runs.
+    assert baseline["peak_memory_gb"] > 0 and fused["peak_memory_gb"] > 0
     diff = max(abs(a - b) for a, b in zip(baseline["losses"], fused["losses"]))
     assert diff < 1e-3, diff  # same seed, same data, same math (float32 on CPU)
     assert (tmp_path / "out" / f"demo_{arch}.png").exists()
@@ -112,6 +115,19 @@ def test_max_batch_search_bisects_after_out_of_memory(monkeypatch):
     assert [b for b, _ in tried] == [2, 4, 8, 6]  # doubling, then 4 + 4 / 2
     assert [r is None for _, r in tried] == [False, False, True, True]
     assert best == 4 and rate == 4 * 8 / 0.010
+
+
+def test_step_peak_counts_what_a_step_holds_at_once():
+    from cce_compile.demo.train import step_peak_bytes
+
+    x = torch.randn(256, 256)
+
+    def two_then_one():
+        a = x @ x  # 256 KiB
+        b = a @ x  # 256 KiB more while a lives
+        del a, b
+
+    assert step_peak_bytes(two_then_one) == 2 * 256 * 256 * 4
 
 
 def test_table_reports_memory_saved_against_the_logits():
