@@ -297,10 +297,11 @@ def _forward_fast(
     )
     work_dtype = _work_dtype(hidden_c)
     grad_buf = logits_buf if work_dtype == torch.float32 else logits_buf.view(work_dtype)[:, :vocab]
-    # A float32 hidden (AMP) gets its gradient straight out of the GEMM's accumulator.
-    hidden_grad_dtype = torch.float32 if hidden.dtype == torch.float32 else work_dtype
+    # float32 straight out of the GEMM's accumulator, rounded once at the end: a bf16 output
+    # lets cuBLAS reduce split-K partials in bf16 (allow_bf16_reduced_precision_reduction),
+    # which measurably loses accuracy against lean mode on a peaked softmax.
     grad_positions = (
-        torch.empty((n_positions, dim), dtype=hidden_grad_dtype, device=device)
+        torch.empty((n_positions, dim), dtype=torch.float32, device=device)
         if needs.hidden
         else None
     )
