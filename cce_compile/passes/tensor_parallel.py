@@ -54,6 +54,19 @@ aten = torch.ops.aten
 _META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
 
 
+def _dtensor_method(node, name: str) -> bool:
+    """``x.<name>(...)`` of a DTensor: a call_method node, or (torch 2.11) a call of the
+    ``<name>_fn_with_prim_types`` wrapper Dynamo builds around it (renamed ``prim_<name>``),
+    taking x first."""
+    if p.is_method(node, {name}):
+        return True
+    target = getattr(node, "target", None)
+    wrapper = getattr(target, "__name__", "") == f"prim_{name}" or getattr(
+        target, "__qualname__", ""
+    ).endswith(f"{name}_fn_with_prim_types")
+    return getattr(node, "op", None) == "call_function" and wrapper
+
+
 def _ops():
     """The op, registered on first use (importing cce_compile.distributed imports
     torch.distributed, which the single-device pass does not need)."""
@@ -195,7 +208,7 @@ def _walk(loss: Node, start: Node) -> tuple[Node, list[Node], _Walk] | Any:
         chain.append(node)
         if _is_dtensor(node) and not (_class_sharded(node) or _replicated(node)):
             return _reject(loss, f"{node.name} has placements {_placements(node)}")
-        if p.is_method(node, {"to_local"}):
+        if _dtensor_method(node, "to_local"):
             source = node.args[0]
             if not _replicated(source):
                 return _reject(
@@ -207,7 +220,7 @@ def _walk(loss: Node, start: Node) -> tuple[Node, list[Node], _Walk] | Any:
             walk.local = True
             node = source
             continue
-        if p.is_method(node, {"redistribute"}):  # moves data, never changes values
+        if _dtensor_method(node, "redistribute"):  # moves data, never changes values
             node = node.args[0]
             continue
         dtype = p.cast_dtype(node)
