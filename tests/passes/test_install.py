@@ -210,7 +210,8 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(python, env_extra, *args, cwd):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CCE_")}
+    # The installed wheel only: no settings, and no source tree on PYTHONPATH.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CCE_") and k != "PYTHONPATH"}
     # A fresh compile cache: on a cache hit the pass does not run (the cached graph already
     # holds the op), and this test counts rewrites.
     env["TORCHINDUCTOR_CACHE_DIR"] = str(cwd / f"inductor-cache-{len(env_extra)}-{len(args)}")

@@ -152,3 +152,15 @@ def test_nanogpt_style(checkpointing):
     outcome = check(model, (ids, targets))
     assert outcome.rewritten == 1 and outcome.has_op
     assert math.isfinite(model(ids, targets).item())
+
+
+def test_explain_points_at_the_users_line_not_transformers_loss_helpers():
+    import cce_compile
+
+    model = hf_zoo.tiny("llama")
+    report = cce_compile.explain(lambda i, lab: model(input_ids=i, labels=lab).loss, *batch())
+    (site,) = report.sites
+    assert site.rewritten and "test_models.py" in site.location
+    ids, labels = batch()
+    whole = cce_compile.explain(model, input_ids=ids, labels=labels)  # no user frame in it:
+    assert "modeling_llama.py" in whole.sites[0].location  # the model's forward, not loss_utils
