@@ -162,8 +162,9 @@ _STDLIB = sysconfig.get_paths()["stdlib"]
 
 
 def _location(node) -> str:
-    """Where the user wrote the call: the innermost frame of their own code, else the
-    outermost compiled frame (a compiled library model's forward), not the loss helper."""
+    """Where the user wrote the call: the innermost frame of their own code; in a compiled
+    library model (no user frame), the innermost model ``forward`` (the line that calls the
+    loss), not the loss helper or a decorator."""
     trace = node.meta.get("stack_trace") or ""
     frames = [
         line.strip() for line in trace.strip().splitlines() if line.strip().startswith("File ")
@@ -171,7 +172,8 @@ def _location(node) -> str:
     if not frames:
         return "<unknown>"
     own = [f for f in frames if not _is_library(f)]
-    return (own[-1] if own else frames[0]).replace("File ", "")
+    forwards = [f for f in frames if f.endswith(" in forward") and "/torch/" not in f]
+    return (own or forwards or frames)[-1].replace("File ", "")
 
 
 def describe(found: Site | Rejection, rewritten: bool) -> SiteReport:
