@@ -71,7 +71,8 @@ def run_variant(name, args):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             return model(input_ids=ids, labels=labels).loss
 
-    step_fn = torch.compile(loss_of, backend=backend)
+    # The backend object, not its name: a source tree has no entry point registering "cce".
+    step_fn = torch.compile(loss_of, backend=cce_compile.backend if backend == "cce" else backend)
 
     def train_step(i):
         ids, labels = batch(args, i)
