@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "linear_cross_entropy": ("functional", "linear_cross_entropy"),
-    "backend": ("backend", "backend"),
+    "backend": ("compile_backend", "backend"),
     "enable": ("passes.install", "enable"),
     "disable": ("passes.install", "disable"),
     "explain": ("passes.report", "explain"),
@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .backend import backend
+    from .compile_backend import backend
     from .functional import linear_cross_entropy
     from .passes.install import disable, enable
     from .passes.report import explain, watch

@@ -1,5 +1,8 @@
 """``cce_compile.backend``: a torch.compile backend that rewrites, then hands over to Inductor.
 
+(The module is not named ``backend``: importing a submodule sets the package attribute of its
+name, which would replace the function ``cce_compile.backend`` with the module.)
+
     torch.compile(model, backend=cce_compile.backend)
     torch.compile(model, backend="cce", mode="max-autotune")   # by name (entry point)
 
