@@ -1,10 +1,12 @@
-"""A Hugging Face causal LM trained through cce_compile: compile the step, not the model.
+"""A Hugging Face causal LM trained through cce_compile, in the two recipes.
 
     python examples/hf_causal_lm.py        # tiny random Llama, a few steps, CPU or GPU
 
-Compiling the step that turns (input_ids, labels) into the loss lets the logits die inside the
-graph, so the pass can fuse lm_head and the loss; compiling the model itself returns the logits,
-and cce_compile.explain() says so.
+1. Compile the step that turns (input_ids, labels) into the loss: the logits die inside the
+   graph, so the pass fuses lm_head and the loss.
+2. Compile the model itself (what Trainer and most scripts do): it returns its logits, so the
+   loss is fused only with CCE_ESCAPING_LOGITS=drop, which returns the logits as a data-less
+   'meta' tensor (any use of them raises). explain() says which applies and why.
 """
 
 import torch
@@ -23,22 +25,33 @@ config = transformers.LlamaConfig(
 )
 model = transformers.LlamaForCausalLM(config).to(device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+ids = torch.randint(0, config.vocab_size, (4, 128), device=device)
 
 
 def step(input_ids, labels):
     return model(input_ids=input_ids, labels=labels).loss
 
 
-ids = torch.randint(0, config.vocab_size, (4, 128), device=device)
 print(cce_compile.explain(step, ids, ids))  # one site, rewritten
-print(
-    cce_compile.explain(model, input_ids=ids, labels=ids)
-)  # logits escape: left alone, with a fix
+print(cce_compile.explain(model, input_ids=ids, labels=ids))  # logits escape: the fix is named
 
+# Recipe 1: the step.
 compiled = torch.compile(step, backend=cce_compile.backend)
-for i in range(5):
+for i in range(3):
     loss = compiled(ids, ids)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     print(f"step {i}: loss {loss.item():.4f}")
+
+# Recipe 2: the whole model, with the returned logits dropped.
+cce_compile.config.update(escaping_logits="drop")
+model.compile(backend="cce")
+with cce_compile.watch() as report:
+    for i in range(3):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        print(f"whole model {i}: loss {out.loss.item():.4f}, logits on {out.logits.device}")
+print(report)

@@ -502,15 +502,15 @@ def _escape_detail(
     users = sorted({u.name for n in escaping for u in _outside_users(n, chain, loss)})
     what = "returned by the graph" if returned else f"also used by {', '.join(users)}"
     if returned and training:
-        fix = "set CCE_ESCAPING_LOGITS=drop (or =rewrite to keep them)"
+        fix = "CCE_ESCAPING_LOGITS=drop fuses this training loss (=rewrite keeps the logits)"
     elif returned and policy == "drop":
         fix = (
             "CCE_ESCAPING_LOGITS=drop applies to training graphs only (this loss needs no "
-            "gradient); set CCE_ESCAPING_LOGITS=rewrite to fuse it and keep the logits"
+            "gradient); =rewrite fuses it and keeps the logits"
         )
     else:
-        fix = "set CCE_ESCAPING_LOGITS=rewrite to fuse the loss and keep them"
-    return f"the logits are {what}; compile the loss step so they die inside the graph, or {fix}"
+        fix = "CCE_ESCAPING_LOGITS=rewrite fuses the loss and keeps them"
+    return f"the logits are {what}; {fix}"
 
 
 def _outside_users(node: Node, chain: list[Node], loss: Node) -> list[Node]:

@@ -32,10 +32,8 @@ from .matching import (
 
 _FIX = {
     ESCAPES: "compile the step that computes the loss from the model's outputs so the "
-    "logits die inside the graph (e.g. `lambda x, y: model(x, labels=y).loss`); when the "
-    "model returns them, CCE_ESCAPING_LOGITS=drop fuses the loss of training graphs and "
-    "returns the logits as a tensor without data; CCE_ESCAPING_LOGITS=rewrite fuses it and "
-    "keeps them",
+    "logits die inside the graph (e.g. `lambda x, y: model(x, labels=y).loss`), or use the "
+    "CCE_ESCAPING_LOGITS setting named above",
     GRAPH_BREAK: "remove the graph break between lm_head and the loss "
     "(cce_compile.explain() shows where it is and what removes it)",
     DTENSOR: "distributed (DTensor) weights are not supported yet",
