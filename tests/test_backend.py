@@ -58,6 +58,17 @@ def test_backend_registered_by_name():
     assert "cce" in torch._dynamo.list_backends(exclude_tags=())
 
 
+def test_importing_the_backend_module_keeps_the_function():
+    import importlib
+
+    importlib.import_module("cce_compile.compile_backend")
+    assert callable(cce_compile.backend) and cce_compile.backend.__name__ == "backend"
+    from importlib.metadata import entry_points
+
+    (point,) = [e for e in entry_points(group="torch_dynamo_backends") if e.name == "cce"]
+    assert point.load() is cce_compile.backend
+
+
 def test_explain_reports_sites_and_fixes():
     def two_sites(x, w, b, y):
         logits = F.linear(x, w)
