@@ -23,8 +23,8 @@ from torch.fx import Graph, GraphModule
 
 from .. import config
 from ..ops import IMPLEMENTATION_VERSION
-from . import report, tracing
-from .matching import Site, find_sites
+from . import report, tensor_parallel, tracing
+from .matching import REWRITABLE, find_sites
 from .rewrite import OP, rewrite_site
 
 log = logging.getLogger("cce_compile")
@@ -76,13 +76,16 @@ def run_pass(graph: Graph) -> list[report.SiteReport]:
     tracing.ignore_library_logging()  # for the next compiles, if transformers came late
     reports = []
     for found in find_sites(graph):
-        rewrite = isinstance(found, Site) and not settings.disable
+        rewrite = isinstance(found, REWRITABLE) and not settings.disable
         described = report.describe(found, rewritten=rewrite)
         if rewrite:
-            rewrite_site(graph, found)
+            if isinstance(found, tensor_parallel.TensorParallelSite):
+                tensor_parallel.rewrite(graph, found)
+            else:
+                rewrite_site(graph, found)
             counters["cce_compile"]["rewritten"] += 1
         else:
-            if isinstance(found, Site):
+            if isinstance(found, REWRITABLE):
                 log.debug("cce_compile: not rewriting %s: disabled", found.loss.name)
             counters["cce_compile"][f"skipped:{described.reason}"] += 1
         _tell_once(described)

@@ -21,20 +21,21 @@ from torch.fx import Graph, Node
 
 from .. import config
 from . import predicates as p
-from . import safety
+from . import safety, tensor_parallel
+from .verdicts import (  # noqa: F401  (re-exported: matching is where readers look)
+    DISABLED,
+    DISABLED_DETAIL,
+    DTENSOR,
+    ESCAPES,
+    GRAPH_BREAK,
+    MUTATION,
+    NO_HEAD,
+    UNSUPPORTED_OP,
+    UNSUPPORTED_OPTION,
+    Rejection,
+)
 
 log = logging.getLogger("cce_compile")
-
-# Reason codes (counter keys and report text).
-ESCAPES = "logits_escape"
-GRAPH_BREAK = "logits_from_graph_input"
-UNSUPPORTED_OP = "unsupported_op_in_chain"
-UNSUPPORTED_OPTION = "unsupported_option"
-DTENSOR = "dtensor_weights"
-MUTATION = "mutation_in_region"  # an in-place write the op would not see (or would)
-NO_HEAD = "no_linear_head"
-DISABLED = "disabled"  # a match that CCE_DISABLE keeps from being rewritten
-DISABLED_DETAIL = "CCE_DISABLE is set"
 
 
 @dataclasses.dataclass
@@ -81,16 +82,11 @@ class Site:
         return p.tensor_value(self.head).shape[-1]
 
 
-@dataclasses.dataclass
-class Rejection:
-    """A loss node left alone, and why."""
-
-    loss: Node
-    reason: str
-    detail: str
+# What the pass rewrites: a plain head's site, or a vocabulary-sharded DTensor head's.
+REWRITABLE = (Site, tensor_parallel.TensorParallelSite)
 
 
-def find_sites(graph: Graph) -> list[Site | Rejection]:
+def find_sites(graph: Graph) -> list[Site | Rejection | Any]:
     """Every cross-entropy candidate of ``graph``, matched or rejected, in graph order."""
     found: list[Site | Rejection] = []
     order = safety.node_order(graph)
@@ -277,9 +273,13 @@ def _head_operands(head: Node) -> tuple[Node, Node, bool, Any, list[Node]] | Non
     return None
 
 
-def match_site(loss: Node, order: dict[Node, int] | None = None) -> Site | Rejection:
-    """Match one loss node against the pattern; a Site, or a Rejection saying why not."""
+def match_site(loss: Node, order: dict[Node, int] | None = None) -> Site | Rejection | Any:
+    """Match one loss node against the pattern; a Site (a TensorParallelSite for a
+    vocabulary-sharded DTensor head), or a Rejection saying why not."""
     order = order or safety.node_order(loss.graph)
+    found = tensor_parallel.match(loss, order)
+    if found is not None:  # a DTensor head: its site, or why not
+        return found
     options = _loss_options(loss)
     if isinstance(options, Rejection):
         return options

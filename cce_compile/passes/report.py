@@ -25,6 +25,7 @@ from .matching import (
     ESCAPES,
     GRAPH_BREAK,
     MUTATION,
+    REWRITABLE,
     Rejection,
     Site,
     find_sites,
@@ -36,7 +37,8 @@ _FIX = {
     "CCE_ESCAPING_LOGITS setting named above",
     GRAPH_BREAK: "remove the graph break between lm_head and the loss "
     "(cce_compile.explain() shows where it is and what removes it)",
-    DTENSOR: "distributed (DTensor) weights are not supported yet",
+    DTENSOR: "only a ColwiseParallel lm_head (weight Shard(0) on a 1-D mesh) with a "
+    "cross_entropy over the whole vocabulary is fused; see docs/distributed.md",
     DISABLED: "unset CCE_DISABLE",
     MUTATION: "move the in-place operation before the head or after the loss, or make it "
     "out of place",
@@ -175,14 +177,14 @@ def _location(node) -> str:
 
 
 def describe(found: Site | Rejection, rewritten: bool) -> SiteReport:
-    """A SiteReport for a Site (rewritten, or matched but kept by CCE_DISABLE) or a
-    Rejection."""
+    """A SiteReport for a site (rewritten, or matched but kept by CCE_DISABLE; a
+    TensorParallelSite's vocab is the classes per rank) or a Rejection."""
     result = SiteReport(found.loss.name, _location(found.loss), rewritten)
     if isinstance(found, Rejection):
         result.reason, result.detail = found.reason, found.detail
     elif not rewritten:
         result.reason, result.detail = DISABLED, DISABLED_DETAIL
-    if isinstance(found, Site):
+    if isinstance(found, REWRITABLE):
         rows, vocab = p.size_hint(found.rows), p.size_hint(found.vocab)
         result.rows, result.vocab = rows, vocab
         if rows is not None and vocab is not None:
@@ -255,7 +257,7 @@ def explain(fn_or_model, *args, **kwargs) -> Report:
             if isinstance(module, torch.fx.GraphModule):
                 report.graphs += 1
                 for found in find_sites(module.graph):
-                    would_rewrite = isinstance(found, Site) and not disabled
+                    would_rewrite = isinstance(found, REWRITABLE) and not disabled
                     described = describe(found, rewritten=would_rewrite)
                     if isinstance(found, Rejection) and found.reason == GRAPH_BREAK:
                         _blame_break(described, report.breaks)

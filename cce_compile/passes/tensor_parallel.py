@@ -27,7 +27,7 @@ per shard (``to_local()`` of vocabulary-sharded logits: each rank's loss over it
 partial-sum logits, DTensor targets or class weights, the nll_loss form, logits with other users.
 
 ``match`` returns None for a loss without DTensors on its chain (the single-device matcher's
-business), else a :class:`TensorParallelSite` or a ``matching.Rejection``.
+business), else a :class:`TensorParallelSite` or a ``verdicts.Rejection``.
 """
 
 from __future__ import annotations
@@ -41,9 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
 
-# matching imports this module, so its names are read at call time (no import cycle).
-from . import matching, safety
 from . import predicates as p
+from . import safety, verdicts
 
 try:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -131,7 +130,7 @@ def _replicated(node: Node) -> bool:
 
 
 def _reject(loss: Node, detail: str, reason: str | None = None) -> Any:
-    return matching.Rejection(loss, reason or matching.DTENSOR, detail)
+    return verdicts.Rejection(loss, reason or verdicts.DTENSOR, detail)
 
 
 def match(loss: Node, order: dict[Node, int] | None = None) -> TensorParallelSite | Any | None:
@@ -147,9 +146,9 @@ def match(loss: Node, order: dict[Node, int] | None = None) -> TensorParallelSit
     args = p.bind(loss, F.cross_entropy)
     bad = _bad_options(args)
     if bad is not None:
-        return _reject(loss, bad, matching.UNSUPPORTED_OPTION)
+        return _reject(loss, bad, verdicts.UNSUPPORTED_OPTION)
     walked = _walk(loss, args["input"])
-    if isinstance(walked, matching.Rejection):
+    if isinstance(walked, verdicts.Rejection):
         return walked
     head, chain, walk = walked
     return _site(loss, args, head, chain, walk, order)
@@ -204,7 +203,7 @@ def _walk(loss: Node, start: Node) -> tuple[Node, list[Node], _Walk] | Any:
                 return _reject(loss, f"{node.name}: a plain head under DTensor logits")
             return node, list(reversed(chain)), walk
         if not isinstance(node, Node):
-            return _reject(loss, f"{node!r} on the logits' chain", matching.UNSUPPORTED_OP)
+            return _reject(loss, f"{node!r} on the logits' chain", verdicts.UNSUPPORTED_OP)
         chain.append(node)
         if _is_dtensor(node) and not (_class_sharded(node) or _replicated(node)):
             return _reject(loss, f"{node.name} has placements {_placements(node)}")
@@ -227,14 +226,14 @@ def _walk(loss: Node, start: Node) -> tuple[Node, list[Node], _Walk] | Any:
         if dtype is not None:
             if dtype != torch.float32:
                 return _reject(
-                    loss, f"{node.name} casts the logits to {dtype}", matching.UNSUPPORTED_OP
+                    loss, f"{node.name} casts the logits to {dtype}", verdicts.UNSUPPORTED_OP
                 )
             node = node.args[0]
             continue
         if p.is_method(node, {"contiguous"}) or p.is_row_view(node):
             if p.is_row_view(node) and walk.row_indices:
                 return _reject(
-                    loss, f"{node.name}: rows sliced after a reshape", matching.UNSUPPORTED_OP
+                    loss, f"{node.name}: rows sliced after a reshape", verdicts.UNSUPPORTED_OP
                 )
             node = node.args[0]
             continue
@@ -253,14 +252,14 @@ def _walk(loss: Node, start: Node) -> tuple[Node, list[Node], _Walk] | Any:
             tensor, factor, divides = scaled
             if safety.bad_constant("factor", factor, zero_ok=not divides) is not None:
                 return _reject(
-                    loss, f"{node.name}: logits scaled by {factor}", matching.UNSUPPORTED_OPTION
+                    loss, f"{node.name}: logits scaled by {factor}", verdicts.UNSUPPORTED_OPTION
                 )
             walk.scale_factors.append((factor, divides))
             node = tensor
             continue
         what = node.target if node.op != "placeholder" else "a graph input"
         return _reject(
-            loss, f"{node.name}: {what} on the DTensor logits' chain", matching.UNSUPPORTED_OP
+            loss, f"{node.name}: {what} on the DTensor logits' chain", verdicts.UNSUPPORTED_OP
         )
 
 
@@ -297,7 +296,7 @@ def _site(loss, args, head, chain, walk, order) -> TensorParallelSite | Any:
         return _reject(loss, "the bias is not a Shard(0) DTensor like the classifier")
     head_dtype = p.tensor_value(head).dtype
     if head_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return _reject(loss, f"head computes in {head_dtype}", matching.UNSUPPORTED_OPTION)
+        return _reject(loss, f"head computes in {head_dtype}", verdicts.UNSUPPORTED_OPTION)
     for name in ("target", "weight"):
         if _is_dtensor(args[name]):
             return _reject(loss, f"the {name} of the loss is a DTensor (a plain tensor expected)")
@@ -306,14 +305,14 @@ def _site(loss, args, head, chain, walk, order) -> TensorParallelSite | Any:
         return _reject(
             loss,
             f"the logits are also used by {', '.join(sorted(set(outside)))}",
-            matching.ESCAPES,
+            verdicts.ESCAPES,
         )
     targets = p.element_source(args["target"])
     written = safety.first_write([hidden, classifier, bias, head, *chain], head, loss, order)
     written = written or safety.first_write([targets, args["weight"]], head, loss, order)
     if written is not None:
         writer, target = written
-        return _reject(loss, f"{writer.name} writes {target.name} in place", matching.MUTATION)
+        return _reject(loss, f"{writer.name} writes {target.name} in place", verdicts.MUTATION)
     return TensorParallelSite(
         loss=loss,
         head=head,

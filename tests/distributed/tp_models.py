@@ -58,7 +58,8 @@ def capturing_backend(captured: Captured, rewrite: bool = True):
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    from cce_compile.passes import tensor_parallel
+    from cce_compile.passes.graph_pass import run_on_module
+    from cce_compile.passes.matching import find_sites
 
     def keep(into):
         def compiler(gm, example_inputs):
@@ -70,15 +71,10 @@ def capturing_backend(captured: Captured, rewrite: bool = True):
     inner = aot_autograd(fw_compiler=keep(captured.forward), bw_compiler=keep(captured.backward))
 
     def backend(gm, example_inputs):
-        for node in list(gm.graph.nodes):
-            found = tensor_parallel.match(node)
-            if found is None:
-                continue
-            captured.sites.append(found)
-            if rewrite and isinstance(found, tensor_parallel.TensorParallelSite):
-                tensor_parallel.rewrite(gm.graph, found)
-        gm.graph.lint()
-        gm.recompile()
+        # What the pass sees, then the pass itself (as cce_compile.backend runs it).
+        captured.sites.extend(find_sites(gm.graph))
+        if rewrite:
+            run_on_module(gm)
         return inner(gm, example_inputs)
 
     return backend
