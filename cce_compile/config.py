@@ -57,6 +57,9 @@ class Settings:
     the loss anyway and keeps the escaping logits (and their gradient path) intact; 'drop'
     (training graphs) fuses the loss and returns the logits as a tensor without data (device
     'meta'), so that any use of them raises."""
+    grad_filter: float | None = _rewrite("CCE_GRAD_FILTER", None)
+    """CCE_GRAD_FILTER: gradient filtering's beta for the sites the pass rewrites (lean mode;
+    filtering.py states the bound); unset: exact gradients."""
     check_targets: bool = _setting("CCE_CHECK_TARGETS", False)
     """CCE_CHECK_TARGETS: on GPU, raise on targets outside [0, V) (costs a host sync)."""
     disable: bool = _rewrite("CCE_DISABLE", False)
@@ -74,6 +77,12 @@ class Settings:
             raise SettingsError(
                 f"{_env('memory_budget_mb')}={budget!r} is not an integer >= 1 "
                 "(MiB; setting 'memory_budget_mb')"
+            )
+        beta = self.grad_filter
+        if beta is not None and (isinstance(beta, bool) or not 0.0 <= beta < 1.0):
+            raise SettingsError(
+                f"{_env('grad_filter')}={beta!r} is not a number in [0, 1) (a probability "
+                "mass; setting 'grad_filter')"
             )
         fraction = self.memory_fraction
         if not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1024.0:
@@ -118,7 +127,7 @@ def _parse(field: dataclasses.Field, raw: str) -> object:
             return int(raw.strip())
         except ValueError:
             raise SettingsError(f"{name}={raw!r} is not an integer (MiB)") from None
-    if field.type == "float":
+    if field.type in ("float", "float | None"):
         try:
             return float(raw.strip())
         except ValueError:

@@ -48,9 +48,7 @@ def _run(case, implementation, grad_filter):
     weights = None if case.class_weights is None else case.class_weights.to(DEVICE)
     options = {**case.options(), "class_weights": weights}
     # Lean both ways: filtering is a lean-mode feature, and auto may pick fast without it.
-    loss = lce(
-        *leaves[:2], targets, *leaves[2:], grad_filter=grad_filter, mode="lean", **options
-    )
+    loss = lce(*leaves[:2], targets, *leaves[2:], grad_filter=grad_filter, mode="lean", **options)
     upstream = torch.ones_like(loss)
     grads = torch.autograd.grad(loss, leaves, upstream)
     return loss.detach().cpu(), [g.cpu() for g in grads]
@@ -191,3 +189,46 @@ def test_keep_blocks_never_skips_the_target_and_respects_beta():
     assert torch.all(keep[rows[valid], targets[valid] // filtering.FILTER_BLOCK] == 1)
     assert torch.all((mass * (1 - keep.double().float())).sum(1) <= 0.05 + 1e-6)
     assert keep.float().mean() < 1  # something was skipped
+
+
+def test_the_pass_carries_the_setting_into_the_op():
+    """CCE_GRAD_FILTER reaches every rewritten site (lean mode, the op's grad_filter) and is
+    in the pass's cache key; a site with label smoothing under a softcap stays exact."""
+    import torch.nn.functional as F
+
+    from cce_compile import config
+    from cce_compile.op_signature import FORWARD
+    from cce_compile.passes.graph_pass import pass_uuid, run_on_module
+
+    def grab(graphs):
+        def backend(gm, example_inputs):
+            run_on_module(gm)
+            graphs.append(gm)
+            return gm.forward
+
+        return backend
+
+    def filters_of(fn, case):
+        graphs = []
+        torch._dynamo.reset()
+        torch.compile(fn, backend=grab(graphs))(case.hidden, case.classifier, case.targets)
+        op = torch.ops.cce.linear_cross_entropy.default
+        calls = [n for g in graphs for n in g.graph.nodes if n.target is op]
+        return [(FORWARD.bind(n.args).grad_filter, FORWARD.bind(n.args).mode) for n in calls]
+
+    def plain(h, c, y):
+        return F.cross_entropy(F.linear(h, c).view(-1, c.shape[0]), y.view(-1))
+
+    def capped_smoothed(h, c, y):
+        z = 5.0 * torch.tanh(F.linear(h, c) / 5.0)
+        return F.cross_entropy(z.view(-1, c.shape[0]), y.view(-1), label_smoothing=0.1)
+
+    case = peaked_case()
+    case.hidden.requires_grad_()
+    exact_uuid = pass_uuid()
+    with config.override(grad_filter=BETA, mode="fast"):
+        assert pass_uuid() != exact_uuid
+        assert filters_of(plain, case) == [(BETA, "lean")]
+        assert filters_of(capped_smoothed, case) == [(None, "fast")]
+    ((beta, _),) = filters_of(plain, case)
+    assert beta is None  # exact without the setting

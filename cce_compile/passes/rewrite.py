@@ -120,7 +120,18 @@ def choose_site_mode(site: Site, needs: tuple[bool, bool, bool]) -> str:
         rounds_inputs=any(p.tensor_value(n).dtype != site.compute_dtype for n in operands),
     )
     budget = policy.budget_bytes(problem, settings.memory_budget_mb, settings.memory_fraction)
-    return policy.choose_mode(settings.mode, problem=problem, budget=budget, **common)
+    requested = "lean" if site_grad_filter(site) is not None else settings.mode
+    return policy.choose_mode(requested, problem=problem, budget=budget, **common)
+
+
+def site_grad_filter(site: Site) -> float | None:
+    """CCE_GRAD_FILTER for this site, unless its label smoothing is under a softcap (then
+    the smoothing term's gradient needs every logit: filtering.check_spec)."""
+    beta = config.get().grad_filter
+    smoothing = site.label_smoothing
+    if beta is None or (site.softcap is not None and (isinstance(smoothing, Node) or smoothing)):
+        return None
+    return beta
 
 
 def _operand(emit: _Emitter, node: Node | None, site: Site) -> Node | None:
@@ -184,6 +195,7 @@ def rewrite_site(graph: Graph, site: Site) -> Node:
             grad_classifier=needs[1],
             grad_bias=needs[2],
             implementation_version=IMPLEMENTATION_VERSION,
+            grad_filter=site_grad_filter(site),
         ),
     )
     at_loss = _Emitter(graph, loss)  # the loss's replacement may need its target's sizes

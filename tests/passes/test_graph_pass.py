@@ -62,6 +62,7 @@ SETTING_VALUES = dict(
     memory_fraction=[0.125, 1024.0],
     memory_budget_mb=[1, 4096],
     escaping_logits=["keep", "rewrite"],
+    grad_filter=[None, 2.0**-12],
     check_targets=[False, True],
     disable=[False, True],
 )
