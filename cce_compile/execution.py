@@ -19,7 +19,14 @@ import torch
 
 from . import config, filtering, policy, torch_path
 from .interface import ForwardOut, Gradients, Implementation, Needs
-from .loss_math import LossSpec, check_targets_in_range, row_targets
+from .loss_math import (
+    LossSpec,
+    check_targets_in_range,
+    finish_loss,
+    returned_lse,
+    row_coefficients,
+    row_targets,
+)
 from .op_signature import Bound
 
 
@@ -83,23 +90,36 @@ def needs_of(args: Bound) -> Needs:
 
 
 def forward(args: Bound) -> ForwardOut:
+    """Loss and per-row lse; fast mode also its unit-gradient buffers, lean mode with
+    filtering the mask of blocks its backward computes."""
     spec = args.spec()
-    check_targets(args.targets, args.class_weights, spec, args.classifier.shape[0])
+    vocab = args.classifier.shape[0]
+    check_targets(args.targets, args.class_weights, spec, vocab)
+    impl = implementation_for(args.hidden.device)
+    rows = row_targets(args.targets, args.class_weights, spec, vocab)
+    tensors = (args.hidden, args.classifier, args.targets, args.bias, args.class_weights)
+    sizing = dict(budget_bytes=_budget_of(args), compute_dtype=_compute_dtype(args))
     with float32_math(args.hidden.device):
-        out = implementation_for(args.hidden.device).forward(
-            args.hidden,
-            args.classifier,
-            args.targets,
-            args.bias,
-            args.class_weights,
-            spec,
-            lse_all_rows=args.lse_all_rows,
-            fast=args.mode == "fast",
-            needs=needs_of(args),
-            budget_bytes=_budget_of(args),
-            compute_dtype=_compute_dtype(args),
-            grad_filter=args.grad_filter if _filtered(args, spec) else None,
-        )
+        if args.mode == "fast" and needs_of(args).any:
+            out = impl.fast_forward(*tensors, spec, rows, needs=needs_of(args), **sizing)
+            lse = out.lse
+        else:
+            beta = args.grad_filter if _filtered(args, spec) else None
+            stats = impl.logit_stats(
+                *tensors,
+                spec,
+                col_start=0,
+                all_rows=args.lse_all_rows,
+                block_lse=beta is not None,
+                **sizing,
+            )
+            lse = stats.lse
+            out = ForwardOut(
+                finish_loss(lse, stats.target_logit, stats.wsum, rows, spec, vocab), lse
+            )
+            if beta is not None:
+                out.keep_blocks = filtering.keep_blocks(stats.block_lse, lse, rows.targets, beta)
+    out.lse = returned_lse(lse, rows, args.lse_all_rows)
     if out.grad_hidden is not None:  # the op returns it in hidden's own dtype
         out.grad_hidden = out.grad_hidden.to(args.hidden.dtype)
     return out
@@ -154,17 +174,20 @@ def backward(args: Bound) -> Gradients:
         if grad_loss is not None or args.grad_lse is not None:
             if grad_loss is not None and spec.reduction == "none":
                 grad_loss = grad_loss.reshape(-1)
-            computed = impl.backward(
-                grad_loss,
-                None if args.grad_lse is None else args.grad_lse.reshape(-1),
-                args.hidden,
-                args.classifier,
+            grad_lse = None if args.grad_lse is None else args.grad_lse.reshape(-1)
+            vocab = args.classifier.shape[0]
+            lse = args.lse.reshape(-1)
+            rows = row_targets(args.targets, args.class_weights, spec, vocab)
+            coefs = row_coefficients(grad_loss, grad_lse, lse, rows, spec, vocab, args.lse_all_rows)
+            computed = impl.gradients(
+                *inputs[:2],
                 args.targets,
                 args.bias,
                 args.class_weights,
-                args.lse.reshape(-1),
+                lse,
+                coefs,
                 spec,
-                lse_all_rows=args.lse_all_rows,
+                col_start=0,
                 needs=needs,
                 budget_bytes=_budget_of(args),
                 compute_dtype=_compute_dtype(args),

@@ -1,7 +1,7 @@
 """The neutral interface between the op and its implementations.
 
 An implementation (``torch_path`` for any device, ``triton_path`` for CUDA) is a module that
-provides the three functions of :class:`Implementation`. Shapes follow the op's canonical form:
+provides the functions of :class:`Implementation`. Shapes follow the op's canonical form:
 ``hidden`` (B, T, D), ``classifier`` (V, D), ``targets`` (B, T); the loss's rows are
 (b, t < T - shift), flattened to N = B * (T - shift).
 """
@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from .loss_math import LossSpec
+from .loss_math import LossSpec, RowTargets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,55 +62,10 @@ class RowStats:
 
 
 class Implementation(Protocol):
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        classifier: torch.Tensor,
-        targets: torch.Tensor,
-        bias: torch.Tensor | None,
-        class_weights: torch.Tensor | None,
-        spec: LossSpec,
-        *,
-        lse_all_rows: bool,
-        fast: bool,
-        needs: Needs,
-        budget_bytes: int,
-        compute_dtype: torch.dtype | None = None,
-        grad_filter: float | None = None,
-    ) -> ForwardOut:
-        """Loss and per-row lse; with ``fast``, also the gradients in ``needs`` for a unit
-        upstream gradient of the loss. ``compute_dtype``: the dtype the head's operands are
-        rounded to before the GEMM (None: their own, which then agree). ``grad_filter``
-        (lean): also the mask of blocks the backward may skip (``keep_blocks``)."""
-
-    def backward(
-        self,
-        grad_loss: torch.Tensor | None,
-        grad_lse: torch.Tensor | None,
-        hidden: torch.Tensor,
-        classifier: torch.Tensor,
-        targets: torch.Tensor,
-        bias: torch.Tensor | None,
-        class_weights: torch.Tensor | None,
-        lse: torch.Tensor,
-        spec: LossSpec,
-        *,
-        lse_all_rows: bool,
-        needs: Needs,
-        budget_bytes: int,
-        compute_dtype: torch.dtype | None = None,
-        keep_blocks: torch.Tensor | None = None,
-    ) -> Gradients:
-        """Gradients in ``needs`` from upstream ``grad_loss`` ('none': (N,)) and ``grad_lse``
-        ((N,)), either may be None; hidden's in its dtype, the others float32 or input dtype."""
-
-    def scale_to(self, x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """(x * scale).to(dtype) with one rounding; ``scale`` is a 0-d tensor."""
-
-    # The two halves of the lean path, for callers that combine statistics or coefficients
-    # across calls (a vocabulary split over ranks). ``classifier`` (and ``bias``,
-    # ``class_weights``) then hold classes [col_start, col_start + V) of a larger vocabulary
-    # that ``targets`` index; targets outside that range contribute no target term.
+    """What an implementation provides: the lean path's two halves (``execution`` builds the
+    loss and the backward from them with ``loss_math``), fast mode's fused forward, and one
+    scaling pass. ``compute_dtype``: the dtype the head's operands are rounded to before the
+    GEMMs (None: their own, which then agree)."""
 
     def logit_stats(
         self,
@@ -129,7 +84,10 @@ class Implementation(Protocol):
     ) -> RowStats:
         """lse, target logit and (with smoothing) weighted sum of each row's logits over the
         given classes (and with ``block_lse`` per block of classes, for filtering). Without
-        ``all_rows``, ignored rows' statistics may be skipped."""
+        ``all_rows``, ignored rows' statistics may be skipped. ``classifier`` (and ``bias``,
+        ``class_weights``) hold classes [col_start, col_start + V) of the vocabulary that
+        ``targets`` index (a vocabulary split over ranks); targets outside that range
+        contribute no target term."""
 
     def gradients(
         self,
@@ -150,4 +108,25 @@ class Implementation(Protocol):
     ) -> Gradients:
         """Gradients from dz = coef_p * exp(z - lse) - coef_t * onehot - coef_w * w over the
         given classes: hidden's in float32 (a partial sum when the vocabulary is split), the
-        classifier's and bias's for those classes (float32 or the inputs' dtype)."""
+        classifier's and bias's for those classes (float32 or the inputs' dtype).
+        ``keep_blocks``: gradient filtering's mask (filtering.py)."""
+
+    def fast_forward(
+        self,
+        hidden: torch.Tensor,
+        classifier: torch.Tensor,
+        targets: torch.Tensor,
+        bias: torch.Tensor | None,
+        class_weights: torch.Tensor | None,
+        spec: LossSpec,
+        rows: RowTargets,
+        *,
+        needs: Needs,
+        budget_bytes: int,
+        compute_dtype: torch.dtype | None = None,
+    ) -> ForwardOut:
+        """Fast mode: loss, lse and the gradients in ``needs`` for a unit upstream gradient
+        of the loss, from the same chunks of logits."""
+
+    def scale_to(self, x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(x * scale).to(dtype) with one rounding; ``scale`` is a 0-d tensor."""

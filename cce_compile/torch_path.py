@@ -22,6 +22,7 @@ from . import filtering
 from .interface import Coefficients, ForwardOut, Gradients, Needs, RowStats
 from .loss_math import (
     LossSpec,
+    RowTargets,
     finish_loss,
     returned_lse,
     row_coefficients,
@@ -219,46 +220,22 @@ def _write_stats(z, columns: _ClassTargets, w32, stats, start: int, stop: int) -
         wsum[start:stop] = z @ w32 if w32 is not None else z.sum(-1)
 
 
-def forward(
+def fast_forward(
     hidden: torch.Tensor,
     classifier: torch.Tensor,
     targets: torch.Tensor,
     bias: torch.Tensor | None,
     class_weights: torch.Tensor | None,
     spec: LossSpec,
+    rows: RowTargets,
     *,
-    lse_all_rows: bool,
-    fast: bool,
     needs: Needs,
     budget_bytes: int,
     compute_dtype: torch.dtype | None = None,
-    grad_filter: float | None = None,
 ) -> ForwardOut:
-    """Loss and per-row lse; with ``fast``, also the gradients for a unit upstream gradient;
-    with ``grad_filter`` (lean), the blocks the backward computes."""
+    """Fast mode: loss, lse and the gradients for a unit upstream gradient from the same
+    chunks of logits (three GEMMs)."""
     vocab = classifier.shape[0]
-    rows = row_targets(targets, class_weights, spec, vocab)
-    if not (fast and needs.any):
-        stats = logit_stats(
-            hidden,
-            classifier,
-            targets,
-            bias,
-            class_weights,
-            spec,
-            col_start=0,
-            all_rows=lse_all_rows,
-            budget_bytes=budget_bytes,
-            compute_dtype=compute_dtype,
-            block_lse=grad_filter is not None,
-        )
-        loss = finish_loss(stats.lse, stats.target_logit, stats.wsum, rows, spec, vocab)
-        out = ForwardOut(loss, returned_lse(stats.lse, rows, lse_all_rows))
-        if grad_filter is not None:
-            out.keep_blocks = filtering.keep_blocks(
-                stats.block_lse, stats.lse, rows.targets, grad_filter
-            )
-        return out
     c32, b32, w32 = _operands(classifier, bias, class_weights, compute_dtype)
     columns = _ClassTargets.of(targets, spec, 0, vocab)
     rows_io = _Rows(hidden, spec.shift)
@@ -267,7 +244,6 @@ def forward(
     stats = (lse, torch.empty_like(lse), torch.empty_like(lse) if spec.needs_wsum else None)
     acc = _Accumulators(hidden, classifier, bias, needs)
     unit = torch.ones((), device=hidden.device)
-    # Fast mode: the gradient from the same logits as the statistics, three GEMMs.
     for start, stop in _chunks(n_rows, cpu_chunk_rows(vocab, budget_bytes)):
         h32 = _float(rows_io.read(start, stop), compute_dtype)
         z = _logits(h32, c32, b32, spec.logit_scale, spec.softcap)
@@ -277,10 +253,8 @@ def forward(
         coefs = row_coefficients(grad_loss, None, lse[start:stop], chunk_rows_, spec, vocab)
         grad = _grad_from_logits(z, lse[start:stop], coefs, columns.slice(start, stop), w32, spec)
         acc.add(rows_io, start, stop, grad, h32, c32)
-    loss = finish_loss(*stats, rows, spec, vocab)
-    out = ForwardOut(loss, returned_lse(lse, rows, lse_all_rows))
-    out.grad_classifier, out.grad_bias = acc.classifier, acc.bias
-    out.grad_hidden = None if acc.hidden is None else acc.hidden.to(hidden.dtype)
+    out = ForwardOut(finish_loss(*stats, rows, spec, vocab), lse)
+    out.grad_hidden, out.grad_classifier, out.grad_bias = acc.hidden, acc.classifier, acc.bias
     return out
 
 
@@ -317,47 +291,6 @@ def gradients(
         )
         acc.add(rows_io, start, stop, grad, h32, c32)
     return acc.hidden, acc.classifier, acc.bias
-
-
-def backward(
-    grad_loss: torch.Tensor | None,
-    grad_lse: torch.Tensor | None,
-    hidden: torch.Tensor,
-    classifier: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weights: torch.Tensor | None,
-    lse: torch.Tensor,
-    spec: LossSpec,
-    *,
-    lse_all_rows: bool,
-    needs: Needs,
-    budget_bytes: int,
-    compute_dtype: torch.dtype | None = None,
-    keep_blocks: torch.Tensor | None = None,
-) -> Gradients:
-    """Gradients for hidden (its dtype) and float32 ones for classifier and bias."""
-    vocab = classifier.shape[0]
-    rows = row_targets(targets, class_weights, spec, vocab)
-    coefs = row_coefficients(grad_loss, grad_lse, lse, rows, spec, vocab, lse_all_rows)
-    grad_hidden, grad_classifier, grad_bias = gradients(
-        hidden,
-        classifier,
-        targets,
-        bias,
-        class_weights,
-        lse,
-        coefs,
-        spec,
-        col_start=0,
-        needs=needs,
-        budget_bytes=budget_bytes,
-        compute_dtype=compute_dtype,
-        keep_blocks=keep_blocks,
-    )
-    if grad_hidden is not None:
-        grad_hidden = grad_hidden.to(hidden.dtype)
-    return grad_hidden, grad_classifier, grad_bias
 
 
 def differentiable_loss(

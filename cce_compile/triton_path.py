@@ -33,14 +33,7 @@ from .kernels.common import RowLayout, TileConfig, check_operands, row_layout
 from .kernels.logit_grad import logit_grad
 from .kernels.lse_forward import lse_forward, partial_blocks
 from .kernels.scale_cast import scale_cast
-from .loss_math import (
-    LossSpec,
-    finish_loss,
-    returned_lse,
-    row_coefficient_parts,
-    row_coefficients,
-    row_targets,
-)
+from .loss_math import LossSpec, RowTargets, finish_loss, row_coefficient_parts
 
 # Widest hidden size that takes the small-tile configuration (see _tile_config).
 SMALL_TILE_MAX_DIM = 2048
@@ -164,51 +157,6 @@ def _tile_width(columns: int, tile: int, vocab: int) -> int:
     return min(vocab, max(tile, columns // tile * tile))
 
 
-def forward(
-    hidden: torch.Tensor,
-    classifier: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weights: torch.Tensor | None,
-    spec: LossSpec,
-    *,
-    lse_all_rows: bool,
-    fast: bool,
-    needs: Needs,
-    budget_bytes: int,
-    compute_dtype: torch.dtype | None = None,
-    grad_filter: float | None = None,
-) -> ForwardOut:
-    vocab = classifier.shape[0]
-    rows = row_targets(targets, class_weights, spec, vocab)
-    if fast and needs.any:
-        out = _forward_fast(
-            hidden, classifier, bias, class_weights, spec, rows, needs, budget_bytes, compute_dtype
-        )
-        out.lse = returned_lse(out.lse, rows, lse_all_rows)
-        return out
-    stats = logit_stats(
-        hidden,
-        classifier,
-        targets,
-        bias,
-        class_weights,
-        spec,
-        col_start=0,
-        all_rows=lse_all_rows,
-        budget_bytes=budget_bytes,
-        compute_dtype=compute_dtype,
-        block_lse=grad_filter is not None,
-    )
-    loss = finish_loss(stats.lse, stats.target_logit, stats.wsum, rows, spec, vocab)
-    out = ForwardOut(loss, returned_lse(stats.lse, rows, lse_all_rows))
-    if grad_filter is not None:
-        out.keep_blocks = filtering.keep_blocks(
-            stats.block_lse, stats.lse, rows.targets, grad_filter
-        )
-    return out
-
-
 def logit_stats(
     hidden: torch.Tensor,
     classifier: torch.Tensor,
@@ -269,10 +217,21 @@ def logit_stats(
     return RowStats(torch.logsumexp(partial_lse, dim=0), target_logit, wsum, blocks)
 
 
-def _forward_fast(
-    hidden, classifier, bias, class_weights, spec, rows, needs, budget_bytes, compute_dtype
-):
-    """Gradients for a unit upstream gradient, computed in chunks of positions."""
+def fast_forward(
+    hidden: torch.Tensor,
+    classifier: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weights: torch.Tensor | None,
+    spec: LossSpec,
+    rows: RowTargets,
+    *,
+    needs: Needs,
+    budget_bytes: int,
+    compute_dtype: torch.dtype | None = None,
+) -> ForwardOut:
+    """Fast mode: loss, lse and the gradients for a unit upstream gradient, computed in
+    chunks of positions (three GEMMs)."""
     hidden_c, classifier_c = _rounded(compute_dtype, hidden), _rounded(compute_dtype, classifier)
     bias_c = _rounded(compute_dtype, bias)
     vocab, dim = classifier.shape
@@ -359,46 +318,6 @@ def scale_to(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     if x.device.type == "cpu":
         return torch.mul(x, scale.float()).to(dtype)
     return scale_cast(x.contiguous(), scale, dtype)
-
-
-def backward(
-    grad_loss: torch.Tensor | None,
-    grad_lse: torch.Tensor | None,
-    hidden: torch.Tensor,
-    classifier: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weights: torch.Tensor | None,
-    lse: torch.Tensor,
-    spec: LossSpec,
-    *,
-    lse_all_rows: bool,
-    needs: Needs,
-    budget_bytes: int,
-    compute_dtype: torch.dtype | None = None,
-    keep_blocks: torch.Tensor | None = None,
-) -> Gradients:
-    vocab = classifier.shape[0]
-    rows = row_targets(targets, class_weights, spec, vocab)
-    coefs = row_coefficients(grad_loss, grad_lse, lse, rows, spec, vocab, lse_all_rows)
-    grad_hidden, grad_classifier, grad_bias = gradients(
-        hidden,
-        classifier,
-        targets,
-        bias,
-        class_weights,
-        lse,
-        coefs,
-        spec,
-        col_start=0,
-        needs=needs,
-        budget_bytes=budget_bytes,
-        compute_dtype=compute_dtype,
-        keep_blocks=keep_blocks,
-    )
-    if grad_hidden is not None:
-        grad_hidden = grad_hidden.to(hidden.dtype)
-    return grad_hidden, grad_classifier, grad_bias
 
 
 def gradients(

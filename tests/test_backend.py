@@ -98,8 +98,9 @@ CACHE_SCRIPT = textwrap.dedent(
     import cce_compile, cce_compile.torch_path as torch_path
 
     calls = []
-    real = torch_path.forward
-    torch_path.forward = lambda *a, **k: calls.append(1) or real(*a, **k)
+    real = torch_path.fast_forward, torch_path.logit_stats
+    torch_path.fast_forward = lambda *a, **k: calls.append(1) or real[0](*a, **k)
+    torch_path.logit_stats = lambda *a, **k: calls.append(1) or real[1](*a, **k)
 
     def loss(x, w, y):
         return F.cross_entropy(F.linear(x, w).view(-1, 11), y.view(-1))

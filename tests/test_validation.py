@@ -80,9 +80,9 @@ def test_validation_runs_before_any_kernel(monkeypatch):
     import cce_compile.torch_path as torch_path
 
     calls = []
-    real_forward = torch_path.forward
+    real_forward = torch_path.logit_stats
     monkeypatch.setattr(
-        torch_path, "forward", lambda *a, **k: calls.append(1) or real_forward(*a, **k)
+        torch_path, "logit_stats", lambda *a, **k: calls.append(1) or real_forward(*a, **k)
     )
     lce(**good())
     assert calls, "the patch must observe the implementation"
