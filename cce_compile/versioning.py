@@ -13,7 +13,7 @@ import pathlib
 
 _PACKAGE = pathlib.Path(__file__).parent
 # The graph pass, the demo and the settings' plumbing do not change what the op computes.
-_NOT_OP_SOURCES = {"backend.py", "_autoenable.py", "__init__.py", "functional.py"}
+_NOT_OP_SOURCES = {"compile_backend.py", "_autoenable.py", "__init__.py", "functional.py"}
 
 
 def op_sources() -> list[pathlib.Path]:
