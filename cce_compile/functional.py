@@ -289,7 +289,10 @@ def linear_cross_entropy(
     if route is not None:
         _say_once(route)
         spec = LossSpec(**options)
-        execution.check_targets(targets2, class_weights, spec, classifier.shape[0])
+        if not torch._C._functorch.is_functorch_wrapped_tensor(targets2):
+            # (batched targets under vmap cannot branch on their values: out-of-range
+            # targets then give NaN rows, as on the GPU)
+            execution.check_targets(targets2, class_weights, spec, classifier.shape[0])
         loss, lse = torch_path.differentiable_loss(
             hidden3,
             classifier,

@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-from oracle import GRAD_RTOL, LOSS_RTOL, assert_close, oracle
+from oracle import GRAD_RTOL, LOSS_RTOL, Case, assert_close, oracle
 from strategies import build_case
 
 import cce_compile
@@ -62,6 +62,14 @@ TRANSFORMS = {
     "func.jacrev": lambda f, h: torch.func.jacrev(f)(h),
     "vmap-of-grad": lambda f, h: torch.func.vmap(torch.func.grad(f))(torch.stack([h, 2 * h])),
 }
+
+
+def test_vmap_over_hidden_and_targets_gives_per_sample_losses():
+    case = build_case(leading=(3, 5), dim=7, vocab=13, seed=4, ignored_fraction=0.2)
+    per_sample = torch.func.vmap(lambda h, y: lce(h, case.classifier, y))(case.hidden, case.targets)
+    for i in range(3):
+        one = Case(case.hidden[i], case.classifier, case.targets[i])
+        assert_close(f"sample {i}", per_sample[i], oracle(one), LOSS_RTOL[torch.float32])
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS.values(), ids=TRANSFORMS.keys())

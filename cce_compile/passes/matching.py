@@ -300,6 +300,12 @@ def match_site(loss: Node, order: dict[Node, int] | None = None) -> Site | Rejec
         return _reject(loss, DTENSOR, "DTensor weights or activations (distributed)")
     if bias is not None and (not isinstance(bias, Node) or p.tensor_value(bias) is None):
         return _reject(loss, UNSUPPORTED_OPTION, "bias is not a tensor")
+    if bias is not None and not (
+        p.tensor_value(bias).dim() == 1
+        and p.same_size(p.tensor_value(bias).shape[0], head_value.shape[-1])
+    ):
+        shape = tuple(p.tensor_value(bias).shape)
+        return _reject(loss, UNSUPPORTED_OPTION, f"bias of shape {shape} broadcasts over classes")
     if head_value.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return _reject(
             loss, UNSUPPORTED_OPTION, f"head computes in {head_value.dtype} (the op: float32)"

@@ -52,6 +52,8 @@ class _Emitter:
                 return p.example_value(a)
             if isinstance(a, (list, tuple)):
                 return type(a)(real(x) for x in a)
+            if isinstance(a, slice):  # a row slice with symbolic bounds
+                return slice(real(a.start), real(a.stop), real(a.step))
             return a
 
         with self.fake_mode:

@@ -11,6 +11,7 @@ alone the same way.
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 from collections.abc import Iterable
@@ -71,24 +72,47 @@ def _schema_writes(node: Node) -> list[Any]:
     return written
 
 
+def _in_place_name(name: str) -> bool:
+    """``mul_``, ``torch._foreach_add_``, ``__setitem__``, ``__iadd__``: names of writes (not
+    other dunders, nor metadata-only methods)."""
+    if name.startswith("__") and name.endswith("__"):
+        return name == "__setitem__" or name.startswith("__i")
+    return name.endswith("_") and name not in _METADATA_ONLY
+
+
+def _inplace_argument(node: Node) -> bool:
+    """An ``inplace=True`` argument, given by keyword or by position (``F.relu(x, True)``,
+    ``F.dropout(x, p, training, True)``)."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    try:
+        parameters = list(inspect.signature(node.target).parameters)
+    except (TypeError, ValueError):  # builtins and methods without a Python signature
+        return False
+    if "inplace" not in parameters:
+        return False
+    position = parameters.index("inplace")
+    return position < len(node.args) and node.args[position] is True
+
+
 def written_operands(node: Node) -> list[Node]:
-    """The nodes whose tensors ``node`` writes in place: the first operand of in-place
-    operators, methods and functions (``mul_``, ``torch.relu_``, ``x[i] = v``, ``x += y``,
-    ``inplace=True``), ``out=`` tensors, and what an aten schema marks as written."""
+    """The nodes whose tensors ``node`` writes in place: the first operand (or each tensor of
+    a first list operand: ``_foreach_*_``) of in-place operators, methods and functions
+    (``mul_``, ``torch.relu_``, ``x[i] = v``, ``x += y``, ``inplace=True`` by keyword or
+    position), ``out=`` tensors, and what an aten schema marks as written."""
     if node.op not in ("call_function", "call_method"):
         return []
     written: list[Any] = []
-    name = target_name(node)
-    in_place_name = name.endswith("_") and not name.startswith("_") and name not in _METADATA_ONLY
-    if (node.op == "call_function" and node.target in _INPLACE_OPERATORS) or in_place_name:
-        written.append(node.args[0] if node.args else None)
-    if node.kwargs.get("inplace") is True:
-        written.append(node.args[0] if node.args else node.kwargs.get("input"))
-    out = node.kwargs.get("out")
-    written.extend(out if isinstance(out, (tuple, list)) else [out])
+    first = node.args[0] if node.args else node.kwargs.get("input")
+    operator_write = node.op == "call_function" and node.target in _INPLACE_OPERATORS
+    if operator_write or _in_place_name(target_name(node)):
+        written.append(first)
+    if node.op == "call_function" and callable(node.target) and _inplace_argument(node):
+        written.append(first)
+    written.append(node.kwargs.get("out"))
     if node.op == "call_function":
         written.extend(_schema_writes(node))
-    return [w for w in written if isinstance(w, Node)]
+    return nodes_in(written)
 
 
 def storage(node: Any) -> Any:

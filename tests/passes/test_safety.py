@@ -97,11 +97,27 @@ def _logits_setitem(x, w, b, y):
     return ce(logits, y)
 
 
+def _hidden_relu_inplace_positional(x, w, b, y):
+    h = x * 1.0
+    logits = F.linear(h, w)
+    F.relu(h, True)  # inplace by position
+    return ce(logits, y) + 0 * h.sum()
+
+
+def _hidden_foreach_mul_(x, w, b, y):
+    h = x * 1.0
+    logits = F.linear(h, w)
+    torch._foreach_mul_([h], 0.0)  # a list operand written in place
+    return ce(logits, y) + 0 * h.sum()
+
+
 MUTATIONS = {
     "hidden-mul_": _hidden_mul_,
     "hidden-iadd": _hidden_iadd,
     "hidden-setitem-through-a-view": _hidden_setitem_through_a_view,
     "hidden-relu-inplace": _hidden_relu_inplace,
+    "hidden-relu-inplace-positional": _hidden_relu_inplace_positional,
+    "hidden-foreach-mul_": _hidden_foreach_mul_,
     "hidden-out=": _hidden_out_argument,
     "classifier-add_": _classifier_add_,
     "bias-zero_": _bias_zero_,
@@ -286,3 +302,22 @@ def test_symbolic_softcap_of_zero_is_a_clear_error():
         assert "softcap" in str(error)
     else:  # or Dynamo specialised the cap and recompiled: then the site is left alone
         torch.testing.assert_close(result, Capped(0.0)(x, w, y), equal_nan=True)
+
+
+def test_a_bias_that_broadcasts_over_the_classes_is_left_alone():
+    x, w, _, y = inputs()
+    b = torch.randn(1, requires_grad=True)
+    outcome = check(lambda x, w, b, y: ce(F.linear(x, w, b), y), (x, w, b, y))
+    assert outcome.rewritten == 0 and outcome.skipped == {"unsupported_option": 1}
+
+
+def test_a_row_slice_with_a_symbolic_bound_is_replayed():
+    """logits[:, -k:] with k an int argument that changes: Dynamo makes k symbolic."""
+
+    def last_k(x, w, y, k):
+        logits = F.linear(x, w)
+        return ce(logits[:, -k:], y[:, -k:])
+
+    x, w, _, y = inputs()
+    outcome = check(last_k, (x, w, y, 2), fullgraph=True, extra_calls=[(x, w, y, 3)])
+    assert outcome.rewritten >= 1 and outcome.has_op
