@@ -154,19 +154,26 @@ def _as_number(name: str, value):
     return value
 
 
+@torch.compiler.assume_constant_result
+def _transform_route(*present: Tensor) -> str:
+    """A functorch transform or forward-mode AD around these tensors ('' if none). Dynamo
+    cannot trace these queries; it calls this at trace time instead (its guards on the
+    functorch stack keep the answer valid), so torch.compile(torch.func.grad(f)) takes the
+    same route as eager and a plain compile has no graph break."""
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in present):
+        return "a functorch transform (torch.func.grad / jvp / vjp / jacrev / vmap)"
+    if any(torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in present):
+        return "forward-mode AD (dual tensors)"
+    return ""
+
+
 def _autograd_route(tensors, logit_scale, softcap) -> str | None:
     """Why the op's own autograd formula cannot serve this call, or None if it can."""
     grad_on = torch.is_grad_enabled()
     if any(isinstance(v, Tensor) and v.requires_grad and grad_on for v in (logit_scale, softcap)):
         return "a logit_scale or softcap tensor that requires grad"
-    if torch.compiler.is_compiling():  # Dynamo traces transforms by its own means
-        return None
     present = [t for t in (*tensors, logit_scale, softcap) if isinstance(t, Tensor)]
-    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in present):
-        return "a functorch transform (torch.func.grad / jvp / vjp / jacrev / vmap)"
-    if any(torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in present):
-        return "forward-mode AD (dual tensors)"
-    return None
+    return _transform_route(*present) or None
 
 
 def _say_once(route: str) -> None:
@@ -289,7 +296,7 @@ def linear_cross_entropy(
     if route is not None:
         _say_once(route)
         spec = LossSpec(**options)
-        if not torch._C._functorch.is_functorch_wrapped_tensor(targets2):
+        if not _transform_route(targets2):
             # (batched targets under vmap cannot branch on their values: out-of-range
             # targets then give NaN rows, as on the GPU)
             execution.check_targets(targets2, class_weights, spec, classifier.shape[0])

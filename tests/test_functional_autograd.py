@@ -176,3 +176,25 @@ def test_empty_batch(leading, shift, mode, reduction):
         assert loss.shape == (leading[0], leading[1] - shift)
     grads = torch.autograd.grad(loss.nan_to_num().sum(), [case.hidden, case.classifier])
     assert all(torch.count_nonzero(g) == 0 for g in grads)
+
+
+def test_compiled_functorch_grad_takes_the_same_route_as_eager():
+    case = _case(**OPTIONS)
+    grad = torch.func.grad(lambda h: _ours(case, h, case.classifier))
+    torch._dynamo.reset()
+    compiled = torch.compile(grad, fullgraph=True)(case.hidden)
+    want = torch.func.grad(lambda h: _theirs(case, h, case.classifier.double()))(
+        case.hidden.double()
+    )
+    assert_close("compiled func.grad", compiled, want, GRAD_RTOL[torch.float32])
+
+
+def test_plain_compile_has_no_graph_break():
+    from torch._dynamo.utils import counters
+
+    case = _case(**OPTIONS)
+    hidden = case.hidden.clone().requires_grad_()
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(lambda h: _ours(case, h, case.classifier), fullgraph=True)(hidden).backward()
+    assert not counters["graph_break"]
