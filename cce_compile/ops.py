@@ -202,3 +202,18 @@ def _backward(ctx, grad_loss, grad_lse, *_unused):
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "cce_compile.linear_cross_entropy does not support double backward (create_graph=True "
+        "followed by a backward through the gradients, e.g. a gradient penalty): compute that "
+        "loss with F.cross_entropy(F.linear(hidden, classifier), targets) instead"
+    )
+
+
+# Without this, PyTorch's generic "no autograd formula was registered" error would name our
+# backward op rather than what the user did.
+linear_cross_entropy_backward.register_autograd(
+    _no_double_backward, setup_context=lambda ctx, inputs, output: None
+)

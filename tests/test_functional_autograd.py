@@ -198,3 +198,14 @@ def test_plain_compile_has_no_graph_break():
     counters.clear()
     torch.compile(lambda h: _ours(case, h, case.classifier), fullgraph=True)(hidden).backward()
     assert not counters["graph_break"]
+
+
+def test_double_backward_is_refused_clearly():
+    case = _case(**OPTIONS)
+    hidden = case.hidden.clone().requires_grad_()
+    loss = _ours(case, hidden, case.classifier)
+    (grad_h,) = torch.autograd.grad(loss, hidden, create_graph=True)
+    want = torch.autograd.grad(_theirs(case, hidden.double(), case.classifier.double()), hidden)[0]
+    assert_close("first-order gradient under create_graph", grad_h, want, GRAD_RTOL[torch.float32])
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        grad_h.pow(2).sum().backward()

@@ -19,7 +19,7 @@ import pathlib
 
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch.fx import Graph, GraphModule
+from torch.fx import Graph, GraphModule, Node
 
 from .. import config
 from ..ops import IMPLEMENTATION_VERSION
@@ -70,6 +70,32 @@ def _tell_once(described: report.SiteReport) -> None:
         )
 
 
+def _symbolic_constants(site) -> list[str]:
+    """The site's loss constants that are graph inputs (Python floats Dynamo made symbolic)."""
+    factors = [f for f, _ in getattr(site, "scale_factors", ())]
+    named = [("logit scale", f) for f in factors]
+    named += [("softcap", getattr(site, "softcap", None))]
+    named += [("label_smoothing", getattr(site, "label_smoothing", None))]
+    return sorted({name for name, value in named if isinstance(value, Node)})
+
+
+def _tell_symbolic_once(described: report.SiteReport, names: list[str]) -> None:
+    """A float argument of the op is specialised by Dynamo: each new value recompiles."""
+    key = (described.location, "symbolic:" + ",".join(names))
+    if not names or key in _told:
+        return
+    _told.add(key)
+    log.warning(
+        "cce_compile: the cross-entropy at %s is fused, but its %s is a Python float that "
+        "changes between calls; the fused op takes it as a constant, so each new value "
+        "recompiles (after torch._dynamo.config.recompile_limit values the frame runs "
+        "eagerly, unfused). Keep it constant, or pass it as a tensor and multiply the hidden "
+        "states or the classifier by it in the model.",
+        described.location,
+        " and ".join(names),
+    )
+
+
 def run_pass(graph: Graph) -> list[report.SiteReport]:
     """Rewrite every matched site of ``graph``; returns one report per candidate."""
     settings = config.get()
@@ -82,6 +108,7 @@ def run_pass(graph: Graph) -> list[report.SiteReport]:
             if isinstance(found, tensor_parallel.TensorParallelSite):
                 tensor_parallel.rewrite(graph, found)
             else:
+                _tell_symbolic_once(described, _symbolic_constants(found))
                 rewrite_site(graph, found)
             counters["cce_compile"]["rewritten"] += 1
         else:

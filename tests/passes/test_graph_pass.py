@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from harness import OP, check, hook_enabled
+from torch._dynamo.utils import counters
 
+import cce_compile
 from cce_compile import config
 from cce_compile.passes.graph_pass import CCEGraphPass, pass_uuid, run_pass
 
@@ -211,6 +213,26 @@ def test_symbolic_softcap_and_smoothing_under_dynamic():
     # attempt: the graph it keeps (the last) carries the op.
     assert outcome.rewritten == len(outcome.graphs) >= 1
     assert OP in [n.target for n in outcome.graphs[-1].graph.nodes]
+
+
+def test_float_scale_that_changes_per_call_is_told_once(caplog):
+    """Dynamo specialises a float the op takes as a constant: each value recompiles, so the
+    user is told once (the results stay exact: checked against eager)."""
+    x, w, y = small_inputs()
+
+    def scaled(x, w, y, scale):
+        return F.cross_entropy(F.linear(x, w).view(-1, 11) * scale, y.view(-1))
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(scaled, backend=cce_compile.backend)
+    with caplog.at_level(logging.WARNING, logger="cce_compile"):
+        for scale in (1.0, 1.5, 2.0):
+            got = compiled(x, w, y, scale)
+            torch.testing.assert_close(got, scaled(x, w, y, scale))
+    told = [r.getMessage() for r in caplog.records if "changes between calls" in r.getMessage()]
+    assert len(told) == 1 and "logit scale" in told[0], told
+    assert counters["cce_compile"]["rewritten"] >= 2  # the op ran for the recompiled values
 
 
 def test_recording_collects_reports_of_a_real_compile():
