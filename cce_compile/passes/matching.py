@@ -240,6 +240,13 @@ def _walk_to_head(loss: Node, start: Node) -> tuple[Node, _Walk] | Rejection:
                 f"logits come from graph input {node.name} "
                 "(a graph break between the head and the loss?)",
             )
+        if p.is_tensor_scale(node):
+            return _reject(
+                loss,
+                UNSUPPORTED_OP,
+                f"{node.name}: logits scaled by a tensor (the op takes a constant logit_scale; "
+                "multiply the hidden states or the classifier by the tensor instead)",
+            )
         what = node.target if isinstance(node, Node) else type(node).__name__
         return _reject(loss, UNSUPPORTED_OP, f"{getattr(node, 'name', node)}: {what}")
 

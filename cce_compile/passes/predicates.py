@@ -289,6 +289,16 @@ def is_scale(node: Any) -> tuple[Node, Any, bool] | None:
     return None
 
 
+def is_tensor_scale(node: Any) -> bool:
+    """A product or quotient of two tensors (e.g. logits times a learned temperature)."""
+    if not (
+        is_call(node, {operator.mul, torch.mul, operator.truediv, torch.div})
+        or is_method(node, {"mul", "div"})
+    ):
+        return False
+    return all(tensor_value(a) is not None for a in node.args[:2])
+
+
 def symint_holders(graph) -> dict[str, Node]:
     """Nodes whose example value is a SymInt, by the symbol expression they hold (Dynamo keeps
     every symbolic input size as such a placeholder)."""

@@ -380,6 +380,10 @@ NEGATIVE = {
         lambda x, w, y: ce(torch.tanh(F.linear(x, w) / 4) * 5, y),
         "unsupported_op_in_chain",
     ),
+    "scaled-by-a-tensor": (
+        lambda x, w, y: ce(F.linear(x, w) * w.new_full((), 1.5), y),
+        "unsupported_op_in_chain",
+    ),
     "nonlinear-in-chain": (
         lambda x, w, y: ce(torch.relu(F.linear(x, w)), y),
         "unsupported_op_in_chain",
