@@ -24,6 +24,8 @@ rounds to bfloat16.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import filtering, policy
@@ -351,8 +353,10 @@ def gradients(
     lse_positions = layout.rows_to_positions(lse)
     config = _tile_config(device, _heavy(spec, class_weights), hidden.element_size(), dim=dim)
     problem = _problem(layout, classifier, hidden, compute_dtype)
-    # Filtered slabs start on filtering blocks, so that no tile straddles two.
-    unit = filtering.FILTER_BLOCK if keep_blocks is not None else config.block_v
+    # Slabs start on filtering blocks, so that no tile straddles two; the same widths with
+    # and without filtering keep d hidden's slab-by-slab sum in one order (grad_filter=0
+    # is then bit for bit the exact result).
+    unit = math.lcm(filtering.FILTER_BLOCK, config.block_v)
     width = _tile_width(policy.lean_slab_columns(problem, needs.hidden, budget_bytes), unit, vocab)
     keep = None if keep_blocks is None else layout.rows_to_positions(keep_blocks)
     n_positions = layout.n_positions

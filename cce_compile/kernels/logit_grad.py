@@ -134,9 +134,11 @@ def _logit_grad_kernel(
             UPCAST_DOT,
             DOT_PRECISION,
         )
-        grad = c_p[:, None] * tl.exp(z - tl.load(lse + pos_c)[:, None])
-        if HAS_FILTER:
-            grad = tl.where(kept[:, None], grad, 0.0)
+        # A skipped row's softmax term goes through its coefficient, not a select on the
+        # product: the exact kernel's multiply-subtract then compiles to the same FMAs, and
+        # grad_filter=0 stays bit for bit the exact result.
+        row_coef = tl.where(kept, c_p, 0.0) if HAS_FILTER else c_p
+        grad = row_coef[:, None] * tl.exp(z - tl.load(lse + pos_c)[:, None])
         tgt = tl.load(targets + t_off) - target_offset  # as a column of this slab
         grad -= tl.where(cols[None, :] == tgt[:, None], c_t[:, None], 0.0)
         if HAS_SMOOTHING:
