@@ -307,6 +307,8 @@ def _site(loss, args, head, chain, walk, order) -> TensorParallelSite | Any:
             f"the logits are also used by {', '.join(sorted(set(outside)))}",
             verdicts.ESCAPES,
         )
+    if safety.grad_mode_changes(head, loss, order):  # eager's logits would carry no gradient
+        return _reject(loss, "grad mode changes between the head and the loss (no_grad?)")
     targets = p.element_source(args["target"])
     written = safety.first_write([hidden, classifier, bias, head, *chain], head, loss, order)
     written = written or safety.first_write([targets, args["weight"]], head, loss, order)

@@ -42,6 +42,7 @@ REWRITTEN = {
 LEFT_ALONE = {
     "per_shard_logits": ("colwise_local", "flat_local", dict(), "to_local() of logits placed"),
     "rowwise_head": ("rowwise", "flat", dict(), "not (Shard(0),)"),
+    "no_grad_head": ("replicated", "no_grad_head", dict(), "grad mode changes"),
 }
 
 
@@ -106,6 +107,11 @@ def _run(name: str, rank: int, world: int, mesh) -> dict:
     x_local = x.chunk(world, dim=1)[rank] if sequence else x
 
     def step(x, y, net):
+        if form == "no_grad_head":  # eager: no gradient reaches the head or passes it
+            hidden = net.norm(torch.relu(net.trunk(x)))
+            with torch.no_grad():
+                logits = net.lm_head(hidden)
+            return _loss(logits, y, "flat", options, weight) + 0 * hidden.sum()
         return _loss(net(x), y, form, options, weight)
 
     # Eager, one process, unsharded; the per-shard form compares with its own eager run.
@@ -113,7 +119,7 @@ def _run(name: str, rank: int, world: int, mesh) -> dict:
     eager_net = model if form == "flat_local" else reference
     expected = step(ref_x, targets, eager_net)
     expected.sum().backward()
-    expected_grads = {n: full(p.grad).clone() for n, p in eager_net.named_parameters()}
+    expected_grads = {n: full(p.grad) for n, p in eager_net.named_parameters()}
     if form == "flat_local":
         model.zero_grad()
 

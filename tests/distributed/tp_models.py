@@ -90,5 +90,8 @@ def gradient_errors(model: nn.Module, reference: nn.Module) -> dict[str, float]:
     errors = {}
     for name, ref in reference.named_parameters():
         grad = full(ours[name].grad)
-        errors[name] = float("inf") if grad is None else rel_error(grad, ref.grad)
+        if grad is None or ref.grad is None:  # both without a gradient is agreement
+            errors[name] = 0.0 if grad is None and ref.grad is None else float("inf")
+        else:
+            errors[name] = rel_error(grad, ref.grad)
     return errors
