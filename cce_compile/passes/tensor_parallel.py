@@ -272,7 +272,9 @@ def _softcap(node: Node) -> tuple[Node, Any, list[Node]] | None:
     if not p.is_tanh(tanh):
         return None
     inner = p.is_scale(tanh.args[0])
-    if inner is None or not inner[2] or not p.same_scalar(inner[1], cap) or cap == 0:
+    if inner is None or not inner[2] or not p.same_scalar(inner[1], cap):
+        return None
+    if safety.bad_constant("the softcap", cap, zero_ok=False) is not None:  # 0 or inf: no softcap
         return None
     return inner[0], cap, [tanh, tanh.args[0]]
 
