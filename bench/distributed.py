@@ -6,7 +6,7 @@
 1. Correctness on the Triton path: each case of ``tests/distributed/test_vocab_parallel.py``'s
    kind (uneven vocabulary, ignore_index, smoothing + class weights, z-loss, softcap + scale,
    bias, 'sum', 'none' + shift, bf16) through ``vocab_parallel_cross_entropy``, and the
-   ColwiseParallel head through the graph pass (``passes.tensor_parallel``, then Inductor);
+   ColwiseParallel head through ``cce_compile.backend`` (the pass, then Inductor);
    loss and gradients against a float64 oracle of the whole vocabulary (tests/oracle.py
    tolerances).
 2. Cost at Llama-3-like sizes (N tokens x D x V, bf16, 10% ignored), forward+backward of the
@@ -144,7 +144,10 @@ def check_pass(mesh) -> dict:
     hidden = torch.randn(2, 256, dim, device=DEVICE, dtype=torch.bfloat16, generator=gen)
     targets = torch.randint(0, vocab, (2, 256), device=DEVICE, generator=gen)
     targets[:, :16] = -100
+    from torch._dynamo.utils import counters
+
     results = {}
+    counters.clear()
     for method in ("loss_parallel", "cce_pass"):
         torch._dynamo.reset()
         torch.manual_seed(0)
@@ -159,10 +162,12 @@ def check_pass(mesh) -> dict:
         label: (rel_error(a, b), tol)
         for label, a, b in zip(("loss", "grad_hidden", "grad_classifier"), *results.values())
     }
-    ok = all(err <= tol for err, tol in errors.values())
-    log(f"  {'pass-vs-loss_parallel-bf16':28s} {'ok' if ok else 'FAIL'}  " + "  ".join(
-        f"{k}={e:.1e}/{t:.0e}" for k, (e, t) in errors.items()))  # fmt: skip
-    return dict(case="pass-vs-loss_parallel-bf16", ok=ok, errors=errors)
+    rewritten = counters["cce_compile"]["rewritten"]  # the op ran, through the real backend
+    ok = rewritten >= 1 and all(err <= tol for err, tol in errors.values())
+    shown = "  ".join(f"{k}={e:.1e}/{t:.0e}" for k, (e, t) in errors.items())
+    verdict = "ok" if ok else "FAIL"
+    log(f"  {'pass-vs-loss_parallel-bf16':28s} {verdict} rewritten={rewritten} {shown}")
+    return dict(case="pass-vs-loss_parallel-bf16", ok=ok, errors=errors, rewritten=rewritten)
 
 
 def head_step(mesh, vocab, dim, method):
@@ -175,27 +180,10 @@ def head_step(mesh, vocab, dim, method):
     def step(hidden, targets):
         return F.cross_entropy(head(hidden).flatten(0, 1).float(), targets.flatten())
 
-    backend = "inductor" if method == "loss_parallel" else rewriting_backend()
+    import cce_compile
+
+    backend = "inductor" if method == "loss_parallel" else cce_compile.backend
     return torch.compile(step, backend=backend, fullgraph=True), head
-
-
-def rewriting_backend():
-    """The pass's tensor-parallel rewrite, then Inductor (until it is hooked into the pass)."""
-    from torch._inductor.compile_fx import compile_fx
-
-    from cce_compile.passes import tensor_parallel
-
-    def backend(gm, example_inputs):
-        for node in list(gm.graph.nodes):
-            found = tensor_parallel.match(node)
-            if isinstance(found, tensor_parallel.TensorParallelSite):
-                tensor_parallel.rewrite(gm.graph, found)
-            elif found is not None:
-                raise RuntimeError(f"not rewritten: {found.reason}: {found.detail}")
-        gm.recompile()
-        return compile_fx(gm, example_inputs)
-
-    return backend
 
 
 def cuda_time_ms(fn, reps, warmup) -> float:

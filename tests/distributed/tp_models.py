@@ -1,8 +1,8 @@
 """Tiny models and a graph-capturing backend for the distributed pass tests (run in workers).
 
-``capturing_backend`` runs ``passes.tensor_parallel`` on every cross-entropy of the Dynamo
-graph (as the pass will once it is hooked into matching), then AOTAutograd without Inductor,
-keeping the forward and backward graphs so a test can count the collectives they issue.
+``capturing_backend`` runs the pass (``graph_pass.run_on_module``, as ``cce_compile.backend``
+does, so tensor-parallel heads go through ``passes.tensor_parallel``), then AOTAutograd without
+Inductor, keeping the forward and backward graphs so a test can count the collectives they issue.
 """
 
 from __future__ import annotations
