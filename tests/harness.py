@@ -100,6 +100,8 @@ def run_and_grad(fn, args, leaves, backward_all=False):
         total = sum(o.float().sum() for o in outputs if o.requires_grad)
     else:
         total = outputs[0].float().sum()  # the loss: the first output
+    if not isinstance(total, torch.Tensor) or not total.requires_grad:  # an evaluation step
+        return [o.detach() for o in outputs], [None] * len(leaves)
     grads = torch.autograd.grad(total, leaves, allow_unused=True) if leaves else []
     return [o.detach() for o in outputs], grads
 

@@ -303,6 +303,13 @@ def match_site(loss: Node, order: dict[Node, int] | None = None) -> Site | Rejec
     head_value = p.tensor_value(head)
     if hidden_value is None or weight_value is None or head_value is None:
         return _reject(loss, NO_HEAD, f"{head.name}: operands without example values")
+    if any(p.functorch_wrapped(n) for n in (head, hidden, classifier)):
+        return _reject(
+            loss,
+            UNSUPPORTED_OPTION,
+            "traced inside a torch.func transform (grad / vmap / jvp): the fused op would need "
+            "functorch rules; call cce_compile.linear_cross_entropy inside the transform instead",
+        )
     if p.is_dtensor(weight_value) or p.is_dtensor(hidden_value):
         return _reject(loss, DTENSOR, "DTensor weights or activations (distributed)")
     if bias is not None and (not isinstance(bias, Node) or p.tensor_value(bias) is None):

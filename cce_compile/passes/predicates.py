@@ -50,6 +50,12 @@ def tensor_value(node: Any) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
+def functorch_wrapped(node: Any) -> bool:
+    """Is the node's example value a functorch wrapper (traced inside torch.func.grad / vmap)?"""
+    value = tensor_value(node)
+    return value is not None and torch._C._functorch.is_functorch_wrapped_tensor(value)
+
+
 def bind(node: Node, fn) -> dict[str, Any]:
     """The node's args and kwargs bound to ``fn``'s signature, defaults filled in."""
     bound = inspect.signature(fn).bind(*node.args, **node.kwargs)

@@ -19,6 +19,7 @@ from .. import config, policy
 from ..op_signature import FORWARD
 from ..ops import IMPLEMENTATION_VERSION
 from . import predicates as p
+from . import safety
 from .matching import Site
 
 aten = torch.ops.aten
@@ -137,8 +138,11 @@ def site_grad_filter(site: Site) -> float | None:
 
 
 def _operand(emit: _Emitter, node: Node | None, site: Site) -> Node | None:
-    """An operand as the head saw it: no gradient flows to it if none flows to the logits."""
+    """An operand as the head saw it: no gradient flows to it if none flows to the logits.
+    Inside inference_mode no gradient flows at all, and detach() there would fail."""
     if node is None or not site.detach_operands or not p.tensor_value(node).requires_grad:
+        return node
+    if safety.inference_mode_at(emit.anchor):
         return node
     return emit(aten.detach.default, node)
 

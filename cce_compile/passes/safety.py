@@ -160,6 +160,21 @@ def grad_mode_changes(start: Node, stop: Node, order: dict[Node, int]) -> bool:
     )
 
 
+def inference_mode_at(node: Node) -> bool:
+    """Does ``node`` run inside a ``torch.inference_mode()`` region recorded in its graph?"""
+    modes: list[bool] = []
+    for other in node.graph.nodes:
+        if other is node:
+            break
+        if other.op != "call_function":
+            continue
+        if other.target is torch.autograd.grad_mode._enter_inference_mode:
+            modes.append(bool(other.args[0]) if other.args else True)
+        elif other.target is torch.autograd.grad_mode._exit_inference_mode and modes:
+            modes.pop()
+    return bool(modes and modes[-1])
+
+
 def nodes_in(value: Any) -> list[Node]:
     """The graph nodes inside an argument (nested tuples, lists and slices)."""
     if isinstance(value, Node):

@@ -180,6 +180,11 @@ def _head_under_inference_mode(x, w, b, y):
     return ce(logits.clone(), y) + (x * 0).sum()
 
 
+def _all_under_inference_mode(x, w, b, y):  # an evaluation step inside the compiled code
+    with torch.inference_mode():
+        return ce(F.linear(x, w, b), y)
+
+
 def _detached_logits(x, w, b, y):
     return ce(F.linear(x, w).detach(), y) + (x * 0).sum()
 
@@ -198,6 +203,7 @@ def _loss_under_no_grad(x, w, b, y):
 GRAD_MODES = {
     "head-under-no_grad": _head_under_no_grad,
     "head-under-inference_mode": _head_under_inference_mode,
+    "all-under-inference_mode": _all_under_inference_mode,
     "detached-logits": _detached_logits,
     "detached-hidden": _detached_hidden,
     "loss-under-no_grad": _loss_under_no_grad,
@@ -321,3 +327,27 @@ def test_a_row_slice_with_a_symbolic_bound_is_replayed():
     x, w, _, y = inputs()
     outcome = check(last_k, (x, w, y, 2), fullgraph=True, extra_calls=[(x, w, y, 3)])
     assert outcome.rewritten >= 1 and outcome.has_op
+
+
+# --- torch.func transforms compiled around the loss ------------------------------------------
+
+
+def _plain_loss(x, w, y):
+    return ce(F.linear(x, w), y)
+
+
+TRANSFORMS = {
+    "grad": lambda: torch.func.grad(_plain_loss),
+    "vmap": lambda: torch.func.vmap(_plain_loss, in_dims=(0, None, None)),
+}
+
+
+@pytest.mark.parametrize("make", TRANSFORMS.values(), ids=TRANSFORMS.keys())
+def test_a_compiled_torch_func_transform_is_left_alone_with_the_reason(make):
+    """Traced inside grad / vmap, the example values are functorch wrappers: the site is left
+    alone (it crashed the rewrite), and the results are eager's."""
+    x, w, _, y = (t.detach() for t in inputs())
+    if make is TRANSFORMS["vmap"]:
+        x = torch.stack([x, 2 * x])
+    outcome = check(make(), (x, w, y))
+    assert outcome.rewritten == 0 and outcome.skipped == {"unsupported_option": 1}
