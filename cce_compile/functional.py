@@ -172,11 +172,16 @@ def _autograd_route(tensors, logit_scale, softcap) -> str | None:
     grad_on = torch.is_grad_enabled()
     if any(isinstance(v, Tensor) and v.requires_grad and grad_on for v in (logit_scale, softcap)):
         return "a logit_scale or softcap tensor that requires grad"
+    if torch.compiler.is_compiling() and any(isinstance(v, Tensor) for v in (logit_scale, softcap)):
+        # Reading it as the op's float would be a data-dependent host read in the graph.
+        return "a logit_scale or softcap tensor under torch.compile"
     present = [t for t in (*tensors, logit_scale, softcap) if isinstance(t, Tensor)]
     return _transform_route(*present) or None
 
 
 def _say_once(route: str) -> None:
+    if torch.compiler.is_compiling():  # Dynamo cannot trace logging calls (fullgraph=True)
+        return
     if route not in _warned:
         _warned.add(route)
         log.warning(
@@ -296,9 +301,9 @@ def linear_cross_entropy(
     if route is not None:
         _say_once(route)
         spec = LossSpec(**options)
-        if not _transform_route(targets2):
-            # (batched targets under vmap cannot branch on their values: out-of-range
-            # targets then give NaN rows, as on the GPU)
+        if not (_transform_route(targets2) or torch.compiler.is_compiling()):
+            # (batched targets under vmap, and targets in a compiled graph, cannot branch on
+            # their values: out-of-range targets then fail in the gather or give NaN rows)
             execution.check_targets(targets2, class_weights, spec, classifier.shape[0])
         loss, lse = torch_path.differentiable_loss(
             hidden3,

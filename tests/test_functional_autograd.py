@@ -92,6 +92,23 @@ def test_tensor_options_that_require_grad_are_differentiated(name):
     assert_close(f"d loss / d {name}", got, want, GRAD_RTOL[torch.float32])
 
 
+@pytest.mark.parametrize("requires_grad", [True, False], ids=["requires_grad", "constant"])
+@pytest.mark.parametrize("name", ["logit_scale", "softcap"])
+def test_tensor_options_under_fullgraph_compile(name, requires_grad):
+    """Read as a number, a tensor option would be a data-dependent read in the graph: under
+    torch.compile it takes the composite route (it gave Dynamo errors before)."""
+    case = _case(label_smoothing=0.1, **{name: 2.5})
+    value = torch.tensor(2.5, requires_grad=requires_grad)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda h, v: _ours(case, h, case.classifier, **{name: v}), fullgraph=True
+    )
+    hidden = case.hidden.clone().requires_grad_()
+    (got,) = torch.autograd.grad(compiled(hidden, value), hidden)
+    (want,) = torch.autograd.grad(_theirs(case, hidden.double(), case.classifier.double()), hidden)
+    assert_close(f"d loss / d hidden, {name} tensor", got, want, GRAD_RTOL[torch.float32])
+
+
 def test_tensor_option_without_grad_is_a_number():
     case = _case()
     loss = _ours(case, case.hidden, case.classifier, logit_scale=torch.tensor(1.3))
