@@ -10,8 +10,9 @@ What cce_compile adds to that set: transformers' once-only logging methods (``wa
 ``info_once``, ``warning_advice``, which transformers installs on ``logging.Logger`` when it is
 imported), and nothing else; a user's own ``logger.warning`` still breaks the graph. When: as
 soon as the cce backend is imported (``backend="cce"`` imports it) or ``enable()`` runs
-(``CCE_COMPILE=1``), and again before every compile (a start-of-compile callback) and at every
-run of the pass, so that a transformers imported later is covered too. For how long: for the
+(``CCE_COMPILE=1``), again when ``transformers.utils.logging`` is imported later (an import
+hook: this holds also after ``torch._dynamo.reset()``), before every compile (a start-of-compile
+callback) and at every run of the pass. For how long: for the
 rest of the process, for every compile (Dynamo traces before it knows the backend, so the
 setting cannot be scoped to our compiles: a backend's ``backend_ctx_ctor`` is dropped by
 ``torch.compile``'s wrapper, and compile callbacks are cleared by ``torch._dynamo.reset()``).
@@ -25,7 +26,10 @@ list skipped frames or breaks that produced no graph).
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -55,6 +59,36 @@ def ignore_library_logging(*_: Any) -> None:
         handler.register_start_callback(ignore_library_logging)
 
 
+_LOGGING_MODULE = "transformers.utils.logging"
+
+
+class _AfterLibraryLogging(importlib.abc.MetaPathFinder):
+    """Adds transformers' logging methods to the ignore set as soon as the module that
+    installs them has run (the start-of-compile callback does not survive a reset)."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != _LOGGING_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        run_module = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run_module(module)
+            ignore_library_logging()
+
+        spec.loader.exec_module = exec_module  # this module's loader instance only
+        return spec
+
+
+def _hook_library_import() -> None:
+    if _LOGGING_MODULE in sys.modules:
+        return
+    if not any(isinstance(f, _AfterLibraryLogging) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterLibraryLogging())
+
+
 class _MetricsSerialisationNoise(logging.Filter):
     """Drops torch 2.11's 'Unexpected exception logging compilation metrics' record that the
     functions in the ignore set cause (its config dump sorts and serialises the set: a
@@ -70,4 +104,5 @@ def install() -> None:
     metrics_log = logging.getLogger("torch._dynamo.metrics_context")
     if not any(isinstance(f, _MetricsSerialisationNoise) for f in metrics_log.filters):
         metrics_log.addFilter(_MetricsSerialisationNoise())
+    _hook_library_import()
     ignore_library_logging()

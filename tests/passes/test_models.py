@@ -9,6 +9,8 @@ unless CCE_ESCAPING_LOGITS=drop. ``hf_zoo.ZOO`` lists the families run in both r
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -97,6 +99,24 @@ def test_transformers_logging_does_not_cut_the_graph(make, backend):
     model = make()
     outcome = check(hf_zoo.step(model), batch(), backend=backend, parameters=model.parameters())
     assert outcome.rewritten == 1 and len(outcome.graphs) == 1
+
+
+def test_transformers_imported_after_the_backend_and_a_reset():
+    """The import hook covers a transformers imported after cce_compile even when
+    torch._dynamo.reset() has cleared the start-of-compile callback (a fresh process: this
+    one has imported transformers already)."""
+    script = (
+        "import torch, cce_compile\n"
+        "cce_compile.backend\n"
+        "import transformers.utils.logging as hf\n"
+        "torch._dynamo.reset()\n"
+        "import logging\n"
+        "print(logging.Logger.warning_once in torch._dynamo.config.ignore_logging_functions)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert done.stdout.strip().splitlines()[-1] == "True", done.stderr[-2000:]
 
 
 def test_hugging_face_with_the_inductor_backend():
