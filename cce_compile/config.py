@@ -79,7 +79,9 @@ class Settings:
                 "(MiB; setting 'memory_budget_mb')"
             )
         beta = self.grad_filter
-        if beta is not None and (isinstance(beta, bool) or not 0.0 <= beta < 1.0):
+        if beta is not None and (
+            isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0
+        ):
             raise SettingsError(
                 f"{_env('grad_filter')}={beta!r} is not a number in [0, 1) (a probability "
                 "mass; setting 'grad_filter')"

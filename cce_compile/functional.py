@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 
 import torch
 from torch import Tensor
@@ -112,6 +113,18 @@ def _validate_options(
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    for name, value in (
+        ("label_smoothing", label_smoothing),
+        ("z_loss", z_loss),
+        ("softcap", softcap),
+        ("logit_scale", logit_scale),
+    ):
+        if name in ("softcap", "logit_scale") and isinstance(value, Tensor):
+            continue  # checked below
+        if name == "softcap" and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if isinstance(softcap, Tensor) or isinstance(logit_scale, Tensor):

@@ -176,6 +176,19 @@ def test_explain_says_where_the_graph_break_is_and_what_removes_it():
     assert "graph break at" in str(report)
 
 
+def _head_then_print(x, w, b, y):
+    logits = F.linear(x, w)
+    print("step")  # noqa: T201  (a user's print between head and loss)
+    return F.cross_entropy(logits.view(-1, 11), y.view(-1))
+
+
+def test_explain_names_the_setting_that_removes_a_print_break(capsys):
+    report = cce_compile.explain(_head_then_print, *small_inputs())
+    (site,) = report.sites
+    assert site.reason == "logits_from_graph_input"
+    assert "reorderable_logging_functions" in site.advice, site.advice
+
+
 @pytest.mark.skipif(not hasattr(torch._dynamo, "skip_frame"), reason="torch without skip_frame")
 def test_explain_reports_frames_dynamo_skipped():
     def skipped(x, w, b, y):

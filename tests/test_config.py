@@ -114,6 +114,12 @@ def test_rewrite_key_tracks_what_changes_the_rewrite():
     assert base.rewrite_key() == config.Settings(check_targets=True).rewrite_key()
 
 
+def test_a_setting_of_the_wrong_type_names_the_setting():
+    with pytest.raises(config.SettingsError, match="grad_filter"):
+        with config.override(grad_filter="x"):
+            pass
+
+
 def test_only_config_reads_the_environment():
     import pathlib
     import re

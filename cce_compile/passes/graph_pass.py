@@ -86,13 +86,16 @@ def _tell_symbolic_once(described: report.SiteReport, names: list[str]) -> None:
         return
     _told.add(key)
     log.warning(
-        "cce_compile: the cross-entropy at %s is fused, but its %s is a Python float that "
-        "changes between calls; the fused op takes it as a constant, so each new value "
-        "recompiles (after torch._dynamo.config.recompile_limit values the frame runs "
-        "eagerly, unfused). Keep it constant, or pass it as a tensor and multiply the hidden "
-        "states or the classifier by it in the model.",
+        "cce_compile: the cross-entropy at %s is fused; its %s is traced as a symbolic "
+        "Python float (it changed between calls, or dynamic=True), which the fused op takes "
+        "as a constant: each new value recompiles (past torch._dynamo.config.recompile_limit "
+        "the frame runs eagerly, unfused). Nothing to do if it never changes; otherwise keep "
+        "it constant%s.",
         described.location,
         " and ".join(names),
+        ", or scale the hidden states or the classifier by a tensor instead"
+        if "logit scale" in names
+        else "",
     )
 
 

@@ -323,6 +323,12 @@ def _blame_break(site: SiteReport, breaks: list[GraphBreak]) -> None:
     text = f"{cut.reason} {cut.location} {cut.text}".lower()
     if any(m in text for m in ("distributed.py", "ddp", "set_runtime_stats_and_log")):
         site.fix = _DDP_FIX
+    elif re.search(r"\bprint\b", text):
+        site.fix = (
+            "a print() call breaks the graph: add print to "
+            "torch._dynamo.config.reorderable_logging_functions (Dynamo then prints after the "
+            "graph runs), or move it out of the forward"
+        )
     elif "logging" in text or "logger" in text:
         site.fix = (
             "a logging call breaks the graph: add it to "
