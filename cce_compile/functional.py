@@ -106,6 +106,11 @@ def _validate_dtypes(hidden, classifier, bias) -> None:
         raise TypeError(f"bias dtype {bias.dtype} must match hidden dtype {hidden.dtype}")
 
 
+def _require_real(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+
+
 def _validate_options(
     hidden, ignore_index, reduction, label_smoothing, softcap, logit_scale, shift, z_loss, mode
 ) -> None:
@@ -113,18 +118,12 @@ def _validate_options(
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    for name, value in (
-        ("label_smoothing", label_smoothing),
-        ("z_loss", z_loss),
-        ("softcap", softcap),
-        ("logit_scale", logit_scale),
-    ):
-        if name in ("softcap", "logit_scale") and isinstance(value, Tensor):
-            continue  # checked below
-        if name == "softcap" and value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    _require_real("label_smoothing", label_smoothing)
+    _require_real("z_loss", z_loss)
+    if softcap is not None and not isinstance(softcap, Tensor):
+        _require_real("softcap", softcap)
+    if not isinstance(logit_scale, Tensor):
+        _require_real("logit_scale", logit_scale)
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if isinstance(softcap, Tensor) or isinstance(logit_scale, Tensor):
