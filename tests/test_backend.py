@@ -201,6 +201,14 @@ def test_explain_reports_frames_dynamo_skipped():
     assert "skipped" in report.skipped_frames[0] and "without compiling" in str(report)
 
 
+def test_watch_says_when_the_pass_never_ran():
+    torch._dynamo.reset()
+    with cce_compile.watch() as report:
+        torch.compile(loss, backend="aot_eager")(*small_inputs()).backward()
+    assert report.graphs == 0 and report.unseen_graphs >= 1
+    assert "the pass did not run" in str(report) and "enable()" in str(report)
+
+
 def test_watch_reports_the_rewrite_on_a_warm_cache(tmp_path, monkeypatch):
     # A private cache, warmed by the first compile; the second is served from it.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))

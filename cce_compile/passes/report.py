@@ -14,6 +14,7 @@ import sysconfig
 from collections.abc import Iterator
 
 import torch
+from torch._dynamo.utils import counters
 
 from .. import config
 from . import predicates as p
@@ -125,6 +126,7 @@ class Report:
     graphs: int = 0
     breaks: list[GraphBreak] = dataclasses.field(default_factory=list)
     skipped_frames: list[str] = dataclasses.field(default_factory=list)  # Dynamo ran eagerly
+    unseen_graphs: int = 0  # (watch) graphs Dynamo compiled in the block without the pass
 
     @property
     def rewritten(self) -> list[SiteReport]:
@@ -147,6 +149,12 @@ class Report:
                 "loss in one of them is not seen):"
             )
             lines += [f"    {frame}" for frame in self.skipped_frames]
+        if self.unseen_graphs:
+            lines.append(
+                f"the pass did not run on the {self.unseen_graphs} graph(s) compiled in this "
+                "block: compile with backend='cce' (cce_compile.backend), or call "
+                "cce_compile.enable() (CCE_COMPILE=1) before compiling"
+            )
         return "\n".join(lines)
 
 
@@ -225,11 +233,15 @@ def watch() -> Iterator[Report]:
     reuses a compiled frame) adds nothing.
     """
     report = Report()
+    compiled_before = counters["stats"]["unique_graphs"]
     _watchers.append(report)
     try:
         yield report
     finally:
         _watchers.remove(report)
+        compiled = counters["stats"]["unique_graphs"] - compiled_before
+        if report.graphs == 0 and compiled > 0:
+            report.unseen_graphs = compiled
 
 
 @contextlib.contextmanager
