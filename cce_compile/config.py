@@ -66,6 +66,12 @@ class Settings:
     """CCE_DISABLE: the graph pass rewrites nothing (sites are still reported)."""
 
     def __post_init__(self) -> None:
+        for name in ("auto_enable", "check_targets", "disable"):
+            if not isinstance(getattr(self, name), bool):
+                raise SettingsError(
+                    f"{_env(name)}={getattr(self, name)!r} is not a bool (setting {name!r}: "
+                    "True or False; the variable: 0 or 1)"
+                )
         for name, allowed in (("mode", MODES), ("escaping_logits", ESCAPE_POLICIES)):
             if getattr(self, name) not in allowed:
                 raise SettingsError(
@@ -73,7 +79,9 @@ class Settings:
                     f"(setting {name!r})"
                 )
         budget = self.memory_budget_mb
-        if budget is not None and (not isinstance(budget, int) or budget < 1):
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int) or budget < 1
+        ):
             raise SettingsError(
                 f"{_env('memory_budget_mb')}={budget!r} is not an integer >= 1 "
                 "(MiB; setting 'memory_budget_mb')"
@@ -87,7 +95,11 @@ class Settings:
                 "mass; setting 'grad_filter')"
             )
         fraction = self.memory_fraction
-        if not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1024.0:
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, (int, float))
+            or not 0.0 < fraction <= 1024.0
+        ):
             raise SettingsError(
                 f"{_env('memory_fraction')}={fraction!r} is not a number in (0, 1024] "
                 "(a fraction of the logits' bytes; setting 'memory_fraction')"
@@ -138,11 +150,12 @@ def _parse(field: dataclasses.Field, raw: str) -> object:
 
 
 def from_environ(environ: Mapping[str, str]) -> Settings:
-    """Settings from an environment mapping (unset variables keep their defaults)."""
+    """Settings from an environment mapping (unset or empty variables keep their defaults,
+    as in ``CCE_GRAD_FILTER= python train.py``)."""
     kwargs = {
         field.name: _parse(field, environ[field.metadata["env"]])
         for field in dataclasses.fields(Settings)
-        if field.metadata["env"] in environ
+        if environ.get(field.metadata["env"], "").strip()
     }
     return Settings(**kwargs)  # type: ignore[arg-type]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -114,10 +115,27 @@ def test_rewrite_key_tracks_what_changes_the_rewrite():
     assert base.rewrite_key() == config.Settings(check_targets=True).rewrite_key()
 
 
-def test_a_setting_of_the_wrong_type_names_the_setting():
-    with pytest.raises(config.SettingsError, match="grad_filter"):
-        with config.override(grad_filter="x"):
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(grad_filter="x"),
+        dict(disable="false"),  # a truthy string: would have turned the pass off
+        dict(check_targets=1),
+        dict(memory_budget_mb=True),
+        dict(memory_fraction=True),
+    ],
+    ids=lambda c: "-".join(f"{k}={v!r}" for k, v in c.items()),
+)
+def test_a_setting_of_the_wrong_type_names_the_setting(change):
+    (name,) = change
+    with pytest.raises(config.SettingsError, match=config._env(name)):
+        with config.override(**change):
             pass
+
+
+def test_an_empty_variable_counts_as_unset():
+    empty = {f.metadata["env"]: " " for f in dataclasses.fields(config.Settings)}
+    assert config.from_environ(empty) == config.Settings()
 
 
 def test_only_config_reads_the_environment():
