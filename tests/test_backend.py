@@ -209,6 +209,43 @@ def test_watch_says_when_the_pass_never_ran():
     assert "the pass did not run" in str(report) and "enable()" in str(report)
 
 
+class _NormedHead(torch.nn.Module):
+    """A float in the graph (LayerNorm's eps) makes Dynamo restart its analysis under
+    dynamic=True, running the backend once per attempt."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+        self.head = torch.nn.Linear(8, 11, bias=False)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.head(self.norm(x)).view(-1, 11), y.view(-1))
+
+
+def test_watch_and_counters_take_back_an_abandoned_compile_attempt():
+    from torch._dynamo.utils import counters
+
+    x, _, _, y = small_inputs()
+    torch._dynamo.reset()
+    counters.clear()
+    with cce_compile.watch() as report:
+        torch.compile(_NormedHead(), backend="cce", dynamic=True)(x, y).backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert (len(report.sites), report.graphs, len(report.rewritten)) == (1, 1, 1), str(report)
+    assert dict(counters["cce_compile"]) == {"rewritten": 1}
+
+
+def test_watch_counts_a_graph_once_with_the_backend_and_enable():
+    torch._dynamo.reset()
+    cce_compile.enable()
+    try:
+        with cce_compile.watch() as report:
+            torch.compile(loss, backend="cce")(*small_inputs()).backward()
+    finally:
+        cce_compile.disable()
+    assert (len(report.sites), report.graphs) == (1, 1), str(report)
+
+
 def test_watch_reports_the_rewrite_on_a_warm_cache(tmp_path, monkeypatch):
     # A private cache, warmed by the first compile; the second is served from it.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))

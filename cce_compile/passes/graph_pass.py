@@ -17,6 +17,7 @@ import hashlib
 import logging
 import pathlib
 
+import torch
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, GraphModule, Node
@@ -99,6 +100,35 @@ def _tell_symbolic_once(described: report.SiteReport, names: list[str]) -> None:
     )
 
 
+def _count(reports: list[report.SiteReport], step: int) -> None:
+    for described in reports:
+        key = "rewritten" if described.rewritten else f"skipped:{described.reason}"
+        counters["cce_compile"][key] += step
+
+
+# The compile in progress (Dynamo's CompileContext), its attempt and that attempt's per-graph
+# reports. Dynamo may restart its analysis of a frame (e.g. to tensorify Python floats): the
+# graphs of the abandoned attempt never run, so what the pass counted and reported for them is
+# taken back.
+_compile: list = [None, 0, []]
+
+
+def _account(reports: list[report.SiteReport]) -> None:
+    """Count and report one graph's sites, replacing those of an abandoned earlier attempt."""
+    context = torch._guards.CompileContext.try_get()
+    if context is not None:
+        if _compile[0] is not context:  # a new compile: nothing to take back
+            _compile[:] = [context, context.attempt, []]
+        elif _compile[1] != context.attempt:  # a restart: the earlier attempt's graphs are gone
+            for abandoned in _compile[2]:
+                _count(abandoned, -1)
+                report.forget(abandoned)
+            _compile[1:] = [context.attempt, []]
+        _compile[2].append(reports)
+    _count(reports, +1)
+    report.record(reports)
+
+
 def run_pass(graph: Graph) -> list[report.SiteReport]:
     """Rewrite every matched site of ``graph``; returns one report per candidate."""
     settings = config.get()
@@ -113,16 +143,16 @@ def run_pass(graph: Graph) -> list[report.SiteReport]:
             else:
                 _tell_symbolic_once(described, _symbolic_constants(found))
                 rewrite_site(graph, found)
-            counters["cce_compile"]["rewritten"] += 1
-        else:
-            if isinstance(found, REWRITABLE):
-                log.debug("cce_compile: not rewriting %s: disabled", found.loss.name)
-            counters["cce_compile"][f"skipped:{described.reason}"] += 1
+        elif isinstance(found, REWRITABLE):
+            log.debug("cce_compile: not rewriting %s: disabled", found.loss.name)
         _tell_once(described)
         reports.append(described)
     if any(r.rewritten for r in reports):
         graph.lint()
-    report.record(reports)
+    if reports or not any(n.target is OP for n in graph.nodes):
+        # (a graph that holds the op and nothing new went through the pass already: the
+        # backend's run, then Inductor's hook under enable())
+        _account(reports)
     return reports
 
 

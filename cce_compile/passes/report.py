@@ -127,6 +127,7 @@ class Report:
     breaks: list[GraphBreak] = dataclasses.field(default_factory=list)
     skipped_frames: list[str] = dataclasses.field(default_factory=list)  # Dynamo ran eagerly
     unseen_graphs: int = 0  # (watch) graphs Dynamo compiled in the block without the pass
+    _runs: list = dataclasses.field(default_factory=list, repr=False)  # (watch) per graph
 
     @property
     def rewritten(self) -> list[SiteReport]:
@@ -217,6 +218,16 @@ def record(reports: list[SiteReport]) -> None:
     for report in _watchers:
         report.sites.extend(reports)
         report.graphs += 1
+        report._runs.append(reports)
+
+
+def forget(reports: list[SiteReport]) -> None:
+    """Take back one graph's reports (a compile attempt Dynamo abandoned)."""
+    for report in _watchers:
+        if any(run is reports for run in report._runs):
+            report._runs[:] = [run for run in report._runs if run is not reports]
+            report.sites[:] = [s for s in report.sites if not any(s is r for r in reports)]
+            report.graphs -= 1
 
 
 @contextlib.contextmanager

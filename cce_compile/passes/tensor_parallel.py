@@ -302,13 +302,6 @@ def _site(loss, args, head, chain, walk, order) -> TensorParallelSite | Any:
     for name in ("target", "weight"):
         if _is_dtensor(args[name]):
             return _reject(loss, f"the {name} of the loss is a DTensor (a plain tensor expected)")
-    outside = [u.name for n in (head, *chain) for u in n.users if u not in (*chain, loss)]
-    if outside:
-        return _reject(
-            loss,
-            f"the logits are also used by {', '.join(sorted(set(outside)))}",
-            verdicts.ESCAPES,
-        )
     if safety.grad_mode_changes(head, loss, order):  # eager's logits would carry no gradient
         return _reject(loss, "grad mode changes between the head and the loss (no_grad?)")
     targets = p.element_source(args["target"])
@@ -317,6 +310,14 @@ def _site(loss, args, head, chain, walk, order) -> TensorParallelSite | Any:
     if written is not None:
         writer, target = written
         return _reject(loss, f"{writer.name} writes {target.name} in place", verdicts.MUTATION)
+    # (after the writes: an in-place op on the logits is also one of their users)
+    outside = [u.name for n in (head, *chain) for u in n.users if u not in (*chain, loss)]
+    if outside:
+        return _reject(
+            loss,
+            f"the logits are also used by {', '.join(sorted(set(outside)))}",
+            verdicts.ESCAPES,
+        )
     return TensorParallelSite(
         loss=loss,
         head=head,
