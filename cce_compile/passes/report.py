@@ -37,7 +37,9 @@ _FIX = {
     "logits die inside the graph (e.g. `lambda x, y: model(x, labels=y).loss`), or use the "
     "CCE_ESCAPING_LOGITS setting named above",
     GRAPH_BREAK: "remove the graph break between lm_head and the loss "
-    "(cce_compile.explain() shows where it is and what removes it)",
+    "(cce_compile.explain() shows where it is and what removes it); under FSDP2, whose hooks "
+    "cut the frame that holds the head, use cce_compile.distributed.deferred_head "
+    "(docs/distributed.md)",
     DTENSOR: "only a ColwiseParallel lm_head (weight Shard(0) on a 1-D mesh) with a "
     "cross_entropy over the whole vocabulary is fused; see docs/distributed.md",
     DISABLED: "unset CCE_DISABLE",
@@ -363,6 +365,7 @@ def _blame_break(site: SiteReport, breaks: list[GraphBreak]) -> None:
             f"remove what breaks the graph at {cut.location}"
             + (f" ({cut.hint})" if cut.hint else "")
             + ", or compute the loss in the same compiled function as the head"
+            + (" (under FSDP2: cce_compile.distributed.deferred_head)" if "fsdp" in text else "")
         )
 
 
