@@ -238,7 +238,7 @@ def watch() -> Iterator[Report]:
 
         with cce_compile.watch() as report:
             loss = compiled_step(x, y)      # compiles here (first call, new shapes)
-        print(report)                        # sites, rewritten or not and why, memory saved
+        log.info("%s", report)              # sites, rewritten or not and why, memory saved
 
     The pass runs on every compile, including those Inductor serves from its caches (the
     backend runs it before Inductor; ``enable()`` makes Inductor run it before its cache
