@@ -211,7 +211,7 @@ def _walk_to_head(loss: Node, start: Node) -> tuple[Node, _Walk] | Rejection:
             walk.row_indices.append(index)
             node = node.args[0]
             continue
-        capped = _softcap(node)
+        capped = p.softcap(node)
         if capped is not None:
             if walk.softcap is not None:
                 return _reject(loss, UNSUPPORTED_OP, "two softcaps")
@@ -249,20 +249,6 @@ def _walk_to_head(loss: Node, start: Node) -> tuple[Node, _Walk] | Rejection:
             )
         what = node.target if isinstance(node, Node) else type(node).__name__
         return _reject(loss, UNSUPPORTED_OP, f"{getattr(node, 'name', node)}: {what}")
-
-
-def _softcap(node: Node) -> tuple[Node, Any, list[Node]] | None:
-    """(x, c, [tanh, x/c]) for ``c * tanh(x / c)`` in either operand order."""
-    scaled = p.is_scale(node)
-    if scaled is None or scaled[2]:
-        return None
-    tanh, cap, _ = scaled
-    if not p.is_tanh(tanh):
-        return None
-    inner = p.is_scale(tanh.args[0])
-    if inner is None or not inner[2] or not p.same_scalar(inner[1], cap):
-        return None
-    return inner[0], cap, [tanh, tanh.args[0]]
 
 
 def _head_operands(head: Node) -> tuple[Node, Node, bool, Any, list[Node]] | None:

@@ -305,6 +305,20 @@ def is_tensor_scale(node: Any) -> bool:
     return all(tensor_value(a) is not None for a in node.args[:2])
 
 
+def softcap(node: Any) -> tuple[Node, Any, list[Node]] | None:
+    """(x, c, [tanh, x/c]) for ``c * tanh(x / c)`` in either operand order."""
+    scaled = is_scale(node)
+    if scaled is None or scaled[2]:
+        return None
+    tanh, cap, _ = scaled
+    if not is_tanh(tanh):
+        return None
+    inner = is_scale(tanh.args[0])
+    if inner is None or not inner[2] or not same_scalar(inner[1], cap):
+        return None
+    return inner[0], cap, [tanh, tanh.args[0]]
+
+
 def symint_holders(graph) -> dict[str, Node]:
     """Nodes whose example value is a SymInt, by the symbol expression they hold (Dynamo keeps
     every symbolic input size as such a placeholder)."""

@@ -264,19 +264,13 @@ def _walk(loss: Node, start: Node) -> tuple[Node, list[Node], _Walk] | Any:
 
 
 def _softcap(node: Node) -> tuple[Node, Any, list[Node]] | None:
-    """(x, c, [tanh, x / c]) for ``c * tanh(x / c)`` with a constant c."""
-    scaled = p.is_scale(node)
-    if scaled is None or scaled[2] or isinstance(scaled[1], Node):
+    """``p.softcap`` with a constant c the op can take (0 or inf is no softcap)."""
+    capped = p.softcap(node)
+    if capped is None or isinstance(capped[1], Node):
         return None
-    tanh, cap, _ = scaled
-    if not p.is_tanh(tanh):
+    if safety.bad_constant("the softcap", capped[1], zero_ok=False) is not None:
         return None
-    inner = p.is_scale(tanh.args[0])
-    if inner is None or not inner[2] or not p.same_scalar(inner[1], cap):
-        return None
-    if safety.bad_constant("the softcap", cap, zero_ok=False) is not None:  # 0 or inf: no softcap
-        return None
-    return inner[0], cap, [tanh, tanh.args[0]]
+    return capped
 
 
 def _site(loss, args, head, chain, walk, order) -> TensorParallelSite | Any:
