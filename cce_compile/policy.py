@@ -78,6 +78,15 @@ def fast_chunk_rows(problem: Problem, needs_classifier: bool, budget: int) -> in
     return max(0, min(FAST_CHUNK_ROWS, problem.rows, left // (problem.vocab * 4)))
 
 
+def fast_run_rows(problem: Problem, needs_classifier: bool, budget: int) -> int:
+    """Rows per chunk of a fast-mode run: the budget's, when it holds a chunk auto would
+    accept; else (fast asked for over the budget) the tuned FAST_CHUNK_ROWS."""
+    chunk = fast_chunk_rows(problem, needs_classifier, budget)
+    if chunk > 0 and chunk >= min(MIN_FAST_ROWS, problem.rows):
+        return chunk
+    return min(FAST_CHUNK_ROWS, max(problem.rows, 1))
+
+
 def lean_slab_columns(problem: Problem, needs_hidden: bool, budget: int) -> int:
     """Classes per lean backward slab within the budget (before rounding to whole tiles), at
     least ``MIN_SLAB_COLUMNS``: every slab re-reads and re-writes the float32 d-hidden

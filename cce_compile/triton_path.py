@@ -243,11 +243,7 @@ def fast_forward(
     n_positions = layout.n_positions
     to_positions = layout.rows_to_positions
     problem = _problem(layout, classifier, hidden_c, compute_dtype)
-    # Within the budget, but never fewer rows than fast mode is tuned for: a caller who asked
-    # for fast mode where the budget holds no such chunk gets it over the budget (auto never
-    # picks fast there).
-    floor = min(policy.FAST_CHUNK_ROWS, max(n_positions, 1))
-    chunk = max(floor, policy.fast_chunk_rows(problem, needs.classifier, budget_bytes))
+    chunk = policy.fast_run_rows(problem, needs.classifier, budget_bytes)
     parts = row_coefficient_parts(torch.ones((), device=device), None, rows, spec, vocab)
     p_base, coef_t, coef_w = (to_positions(v) for v in (parts.p_base, parts.coef_t, parts.coef_w))
     p_per_lse = None if parts.p_per_lse is None else to_positions(parts.p_per_lse)

@@ -104,3 +104,14 @@ def test_lean_slab_never_narrower_than_the_efficiency_floor():
     budget = policy.budget_bytes(c, None, 0.125)
     assert c.rows * c.dim * 4 > budget
     assert policy.lean_slab_columns(c, True, budget) == policy.MIN_SLAB_COLUMNS
+
+
+def test_a_fast_run_keeps_to_the_budget_when_auto_would_pick_fast():
+    fixed = policy.fast_fixed_bytes(E, True)
+    fits_1536 = fixed + 1536 * E.vocab * 4
+    assert choose(budget=fits_1536) == "fast"
+    assert policy.fast_run_rows(E, True, fits_1536) == 1536  # (was the tuned 4096: over budget)
+    # fast asked for where no useful chunk fits: the tuned chunk, over the budget
+    assert policy.fast_run_rows(E, True, fixed) == policy.FAST_CHUNK_ROWS
+    few = Problem(rows=7, vocab=10, dim=3, logit_bytes=2)
+    assert policy.fast_run_rows(few, True, 0) == 7
