@@ -56,6 +56,28 @@ def functorch_wrapped(node: Any) -> bool:
     return value is not None and torch._C._functorch.is_functorch_wrapped_tensor(value)
 
 
+def example_args(value: Any) -> Any:
+    """An emitted node's arguments with nodes replaced by their example values (inside lists,
+    tuples and slices: a row slice can have symbolic bounds)."""
+    if isinstance(value, Node):
+        return example_value(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(example_args(x) for x in value)
+    if isinstance(value, slice):
+        return slice(*(example_args(x) for x in (value.start, value.stop, value.step)))
+    return value
+
+
+SOURCE_META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
+
+
+def copy_source_meta(node: Node, anchor: Node) -> None:
+    """Give an emitted node the source location of the node it is emitted for."""
+    for key in SOURCE_META_KEYS:
+        if key in anchor.meta:
+            node.meta[key] = anchor.meta[key]
+
+
 def bind(node: Node, fn) -> dict[str, Any]:
     """The node's args and kwargs bound to ``fn``'s signature, defaults filled in."""
     bound = inspect.signature(fn).bind(*node.args, **node.kwargs)

@@ -24,7 +24,6 @@ from .matching import Site
 
 aten = torch.ops.aten
 OP = torch.ops.cce.linear_cross_entropy.default
-_META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
 
 
 class _Emitter:
@@ -39,26 +38,12 @@ class _Emitter:
     def __call__(self, target, *args: Any, **kwargs: Any) -> Node:
         with self.graph.inserting_before(self.anchor):
             node = self.graph.call_function(target, args, kwargs)
-        for key in _META_KEYS:
-            if key in self.anchor.meta:
-                node.meta[key] = self.anchor.meta[key]
-        value = self._evaluate(target, args, kwargs)
+        p.copy_source_meta(node, self.anchor)
+        with self.fake_mode:
+            value = target(*p.example_args(args), **p.example_args(kwargs))
         node.meta["example_value"] = value
         node.meta["val"] = value
         return node
-
-    def _evaluate(self, target, args, kwargs):
-        def real(a):
-            if isinstance(a, Node):
-                return p.example_value(a)
-            if isinstance(a, (list, tuple)):
-                return type(a)(real(x) for x in a)
-            if isinstance(a, slice):  # a row slice with symbolic bounds
-                return slice(real(a.start), real(a.stop), real(a.step))
-            return a
-
-        with self.fake_mode:
-            return target(*real(args), **real(kwargs))
 
 
 def _scalar_product(emit: _Emitter, factors: list[tuple[Any, bool]]) -> Any:

@@ -50,7 +50,6 @@ except ImportError:  # a torch built without distributed: no DTensor reaches the
     DTensor = None
 
 aten = torch.ops.aten
-_META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
 
 
 def _dtensor_method(node, name: str) -> bool:
@@ -345,23 +344,13 @@ class _Emitter:
     def __call__(self, op: str, target, *args: Any, **kwargs: Any) -> Node:
         with self.graph.inserting_before(self.anchor):
             node = self.graph.create_node(op, target, args, kwargs)
-        for key in _META_KEYS:
-            if key in self.anchor.meta:
-                node.meta[key] = self.anchor.meta[key]
-
-        def real(a):
-            if isinstance(a, Node):
-                return p.example_value(a)
-            if isinstance(a, (list, tuple)):
-                return type(a)(real(x) for x in a)
-            return a
-
+        p.copy_source_meta(node, self.anchor)
         with self.fake_mode:
             if op == "call_method":
-                this, *rest = real(args)
-                value = getattr(this, target)(*rest, **real(kwargs))
+                this, *rest = p.example_args(args)
+                value = getattr(this, target)(*rest, **p.example_args(kwargs))
             else:
-                value = target(*real(args), **real(kwargs))
+                value = target(*p.example_args(args), **p.example_args(kwargs))
         node.meta["example_value"] = value
         if not isinstance(value, DTensor):
             node.meta["val"] = value

@@ -244,3 +244,15 @@ def test_recording_collects_reports_of_a_real_compile():
     assert outcome.rewritten == 1
     assert [r.rewritten for r in reports] == [True]
     assert reports[0].rows == 10 and reports[0].vocab == 11
+
+
+def test_emitted_arguments_resolve_nodes_inside_slices():
+    """Both emitters (plain and tensor-parallel) evaluate new nodes on example values: a row
+    slice with symbolic bounds holds nodes, which must be resolved too."""
+    from cce_compile.passes import predicates
+
+    graph = torch.fx.Graph()
+    start, stop = graph.placeholder("start"), graph.placeholder("stop")
+    start.meta["example_value"], stop.meta["example_value"] = 1, 4
+    resolved = predicates.example_args(((slice(None), slice(start, stop)), [stop]))
+    assert resolved == ((slice(None), slice(1, 4)), [4])
