@@ -125,15 +125,21 @@ def forward(args: Bound) -> ForwardOut:
     return out
 
 
+def filters(args: Bound) -> bool:
+    """Does this call filter its gradients (and return the mask)? Asked for, lean mode,
+    gradients wanted. The op's fake kernel and its implementation both ask this."""
+    return args.grad_filter is not None and args.mode == "lean" and needs_of(args).any
+
+
 def _filtered(args: Bound, spec: LossSpec) -> bool:
-    """Gradient filtering for this call: asked for, lean mode, gradients wanted."""
+    """``filters``, after the checks that make a bad request an error."""
     if args.grad_filter is None:
         return False
     filtering.check_beta(args.grad_filter)
     if args.mode != "lean":
         raise ValueError("grad_filter filters the lean backward: it needs mode 'lean'")
     filtering.check_spec(spec)
-    return needs_of(args).any
+    return filters(args)
 
 
 def _budget_of(args: Bound) -> int:

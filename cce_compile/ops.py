@@ -32,12 +32,6 @@ def _row_shape(hidden: Tensor, shift: int) -> tuple:
     return (hidden.shape[0], hidden.shape[1] - shift)
 
 
-def _filters(args) -> bool:
-    """Does this call filter its gradients (filtering.py)? Lean mode with gradients only."""
-    wanted = args.grad_hidden or args.grad_classifier or args.grad_bias
-    return args.grad_filter is not None and args.mode == "lean" and wanted
-
-
 def _forward(*values) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (loss, lse, fast_grad_hidden, fast_grad_classifier, fast_grad_bias,
     keep_blocks).
@@ -83,7 +77,7 @@ def _forward_fake(*values):
         classifier.new_empty(
             (rows[0] * rows[1], filtering.block_count(classifier.shape[0])), dtype=torch.uint8
         )
-        if _filters(args)
+        if execution.filters(args)
         else _empty(classifier, torch.uint8),
     )
 
@@ -132,7 +126,7 @@ def _setup_context(ctx, inputs, output) -> None:
     versioning.check(args.implementation_version)
     loss, lse, fast_h, fast_c, fast_b, keep_blocks = output
     ctx.mark_non_differentiable(fast_h, fast_c, fast_b, keep_blocks)
-    ctx.filtered = _filters(args)
+    ctx.filtered = execution.filters(args)
     # Unused outputs get None, not zeros: fast mode then knows statically that lse carries no
     # gradient, and the backward skips work for it.
     ctx.set_materialize_grads(False)
