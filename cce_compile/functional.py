@@ -279,8 +279,7 @@ def linear_cross_entropy(
         filtering.check_beta(float(grad_filter))
         if mode == "fast":
             raise ValueError("grad_filter filters the lean backward: mode='fast' cannot use it")
-        if label_smoothing and softcap is not None:
-            filtering.check_spec(LossSpec(label_smoothing=float(label_smoothing), softcap=1.0))
+        filtering.check_options(label_smoothing, softcap)
     # Under autocast F.linear rounds its inputs to the autocast dtype: the op does the same
     # inside, and returns gradients in the inputs' own dtypes (float32 weights keep float32
     # gradients, with no rounded copy of the classifier).

@@ -114,7 +114,7 @@ def choose_site_mode(site: Site, needs: tuple[bool, bool, bool]) -> str:
 
 def site_grad_filter(site: Site) -> float | None:
     """CCE_GRAD_FILTER for this site, unless its label smoothing is under a softcap (then
-    the smoothing term's gradient needs every logit: filtering.check_spec)."""
+    the smoothing term's gradient needs every logit: filtering.check_options)."""
     beta = config.get().grad_filter
     smoothing = site.label_smoothing
     if beta is None or (site.softcap is not None and (isinstance(smoothing, Node) or smoothing)):
