@@ -23,12 +23,12 @@ IMPLEMENTATION_VERSION = versioning.IMPLEMENTATION_VERSION
 _EMPTY = (0,)
 
 
-def _empty(like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+def empty_output(like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """The placeholder for an output that is not computed (ops return no None)."""
     return like.new_empty(_EMPTY, dtype=dtype)
 
 
-def _row_shape(hidden: Tensor, shift: int) -> tuple:
+def row_shape(hidden: Tensor, shift: int) -> tuple:
     return (hidden.shape[0], hidden.shape[1] - shift)
 
 
@@ -45,40 +45,40 @@ def _forward(*values) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     args = FORWARD.bind(values)
     out = execution.forward(args)
     hidden, classifier = args.hidden, args.classifier
-    rows = _row_shape(hidden, args.shift)
+    rows = row_shape(hidden, args.shift)
     loss = out.loss.view(rows) if args.reduction == "none" else out.loss
     f32 = torch.float32
     return (
         loss,
         out.lse.view(rows),
-        out.grad_hidden if out.grad_hidden is not None else _empty(hidden),
-        out.grad_classifier if out.grad_classifier is not None else _empty(classifier, f32),
-        out.grad_bias if out.grad_bias is not None else _empty(classifier, f32),
-        out.keep_blocks if out.keep_blocks is not None else _empty(classifier, torch.uint8),
+        out.grad_hidden if out.grad_hidden is not None else empty_output(hidden),
+        out.grad_classifier if out.grad_classifier is not None else empty_output(classifier, f32),
+        out.grad_bias if out.grad_bias is not None else empty_output(classifier, f32),
+        out.keep_blocks if out.keep_blocks is not None else empty_output(classifier, torch.uint8),
     )
 
 
 def _forward_fake(*values):
     args = FORWARD.bind(values)
     hidden, classifier, bias = args.hidden, args.classifier, args.bias
-    rows = _row_shape(hidden, args.shift)
+    rows = row_shape(hidden, args.shift)
     f32 = torch.float32
     fast = args.mode == "fast"
     return (
         hidden.new_empty(rows if args.reduction == "none" else (), dtype=f32),
         hidden.new_empty(rows, dtype=f32),
-        hidden.new_empty(hidden.shape) if fast and args.grad_hidden else _empty(hidden),
+        hidden.new_empty(hidden.shape) if fast and args.grad_hidden else empty_output(hidden),
         classifier.new_empty(classifier.shape, dtype=f32)
         if fast and args.grad_classifier
-        else _empty(classifier, f32),
+        else empty_output(classifier, f32),
         classifier.new_empty(bias.shape, dtype=f32)
         if fast and args.grad_bias and bias is not None
-        else _empty(classifier, f32),
+        else empty_output(classifier, f32),
         classifier.new_empty(
             (rows[0] * rows[1], filtering.block_count(classifier.shape[0])), dtype=torch.uint8
         )
         if execution.filters(args)
-        else _empty(classifier, torch.uint8),
+        else empty_output(classifier, torch.uint8),
     )
 
 
@@ -87,18 +87,20 @@ def _backward_op(*values) -> tuple[Tensor, Tensor, Tensor]:
     args = BACKWARD.bind(values)
     grads = execution.backward(args)
     likes = (args.hidden, args.classifier, args.classifier)
-    return tuple(g if g is not None else _empty(like) for g, like in zip(grads, likes))
+    return tuple(g if g is not None else empty_output(like) for g, like in zip(grads, likes))
 
 
 def _backward_fake(*values):
     args = BACKWARD.bind(values)
     hidden, classifier, bias = args.hidden, args.classifier, args.bias
     return (
-        hidden.new_empty(hidden.shape) if args.grad_hidden else _empty(hidden),
-        classifier.new_empty(classifier.shape) if args.grad_classifier else _empty(classifier),
+        hidden.new_empty(hidden.shape) if args.grad_hidden else empty_output(hidden),
+        classifier.new_empty(classifier.shape)
+        if args.grad_classifier
+        else empty_output(classifier),
         classifier.new_empty(bias.shape, dtype=bias.dtype)
         if args.grad_bias and bias is not None
-        else _empty(classifier),
+        else empty_output(classifier),
     )
 
 

@@ -22,22 +22,24 @@ def op_sources() -> list[pathlib.Path]:
     return files + sorted((_PACKAGE / "kernels").glob("*.py"))
 
 
-def _source_hash() -> int:
-    """A 31-bit hash of ``op_sources()``."""
-    digest = hashlib.sha256()
-    for path in op_sources():
+def source_hash(paths: list[pathlib.Path], seed: bytes = b"") -> int:
+    """A 31-bit hash of ``seed`` and the files' bytes."""
+    digest = hashlib.sha256(seed)
+    for path in paths:
         digest.update(path.read_bytes())
     return int.from_bytes(digest.digest()[:4], "little") & 0x7FFFFFFF
 
 
-IMPLEMENTATION_VERSION = _source_hash()
+IMPLEMENTATION_VERSION = source_hash(op_sources())
 
 
-def check(version: int) -> None:
+def check(
+    version: int, *, expected: int = IMPLEMENTATION_VERSION, op: str = "cce::linear_cross_entropy"
+) -> None:
     """Raise if a graph built by another cce_compile calls the op."""
-    if version != IMPLEMENTATION_VERSION:
+    if version != expected:
         raise RuntimeError(
-            f"cce::linear_cross_entropy was called with implementation_version {version}, "
-            f"this cce_compile is {IMPLEMENTATION_VERSION}: a stale compiled graph; clear the "
-            "torch.compile caches (TORCHINDUCTOR_CACHE_DIR)"
+            f"{op} was called with implementation_version {version}, this cce_compile is "
+            f"{expected}: a stale compiled graph; clear the torch.compile caches "
+            "(TORCHINDUCTOR_CACHE_DIR)"
         )

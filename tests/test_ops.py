@@ -209,3 +209,15 @@ def test_compile_fullgraph_dynamic_no_recompile(mode):
             for g, w in zip(got, want):
                 assert_close("grad", g, w, 1e-4)
     assert counter.frame_count == first_compile, "recompiled for a new size"
+
+
+def test_a_stale_graph_calling_an_op_fails_loudly():
+    from cce_compile import versioning
+    from cce_compile.distributed import ops as vocab_parallel_ops
+
+    stale = versioning.IMPLEMENTATION_VERSION ^ 1
+    with pytest.raises(RuntimeError, match="cce::linear_cross_entropy was called with"):
+        versioning.check(stale)
+    with pytest.raises(RuntimeError, match="cce::vocab_parallel_cross_entropy was called with"):
+        vocab_parallel_ops.check_version(vocab_parallel_ops.IMPLEMENTATION_VERSION ^ 1)
+    versioning.check(versioning.IMPLEMENTATION_VERSION)  # the current version passes

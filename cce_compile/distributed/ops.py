@@ -10,7 +10,6 @@ collective.
 
 from __future__ import annotations
 
-import hashlib
 import pathlib
 
 import torch
@@ -18,62 +17,52 @@ from torch import Tensor
 
 from .. import versioning
 from ..op_signature import LOSS_OPTIONS
+from ..ops import empty_output, row_shape
 from . import vocab_parallel
 from .signature import BACKWARD, BACKWARD_RETURNS, FORWARD, FORWARD_RETURNS
 
-
-def _version() -> int:
-    """A 31-bit hash of the single-device op's sources and this package's: a compiled graph
-    from another cce_compile misses the caches or fails loudly (see ``versioning``)."""
-    digest = hashlib.sha256(str(versioning.IMPLEMENTATION_VERSION).encode())
-    for path in sorted(pathlib.Path(__file__).parent.glob("*.py")):
-        digest.update(path.read_bytes())
-    return int.from_bytes(digest.digest()[:4], "little") & 0x7FFFFFFF
-
-
-IMPLEMENTATION_VERSION = _version()
-_EMPTY = (0,)
-
-
-def _row_shape(hidden: Tensor, shift: int) -> tuple:
-    return (hidden.shape[0], hidden.shape[1] - shift)
+# The single-device op's version and this package's sources: a compiled graph from another
+# cce_compile misses the caches or fails loudly (see ``versioning``).
+IMPLEMENTATION_VERSION = versioning.source_hash(
+    sorted(pathlib.Path(__file__).parent.glob("*.py")),
+    seed=str(versioning.IMPLEMENTATION_VERSION).encode(),
+)
 
 
 def _forward(*values) -> tuple[Tensor, Tensor]:
     """(loss, lse): float32; loss a scalar or (B, T - shift) for 'none', lse (B, T - shift)."""
     args = FORWARD.bind(values)
     loss, lse = vocab_parallel.forward(args)
-    rows = _row_shape(args.hidden, args.shift)
+    rows = row_shape(args.hidden, args.shift)
     return (loss.view(rows) if args.reduction == "none" else loss), lse.view(rows)
 
 
 def _forward_fake(*values) -> tuple[Tensor, Tensor]:
     args = FORWARD.bind(values)
-    rows = _row_shape(args.hidden, args.shift)
+    rows = row_shape(args.hidden, args.shift)
     f32 = torch.float32
     loss_shape = rows if args.reduction == "none" else ()
     return args.hidden.new_empty(loss_shape, dtype=f32), args.hidden.new_empty(rows, dtype=f32)
-
-
-def _empty(like: Tensor) -> Tensor:
-    """The placeholder for a gradient that is not computed (ops return no None)."""
-    return like.new_empty(_EMPTY)
 
 
 def _backward_op(*values) -> tuple[Tensor, Tensor, Tensor]:
     args = BACKWARD.bind(values)
     grads = vocab_parallel.backward(args)
     likes = (args.hidden, args.classifier, args.classifier)
-    return tuple(g if g is not None else _empty(like) for g, like in zip(grads, likes))
+    return tuple(g if g is not None else empty_output(like) for g, like in zip(grads, likes))
 
 
 def _backward_fake(*values) -> tuple[Tensor, Tensor, Tensor]:
     args = BACKWARD.bind(values)
     hidden, classifier, bias = args.hidden, args.classifier, args.bias
     return (
-        hidden.new_empty(hidden.shape) if args.grad_hidden else _empty(hidden),
-        classifier.new_empty(classifier.shape) if args.grad_classifier else _empty(classifier),
-        bias.new_empty(bias.shape) if args.grad_bias and bias is not None else _empty(classifier),
+        hidden.new_empty(hidden.shape) if args.grad_hidden else empty_output(hidden),
+        classifier.new_empty(classifier.shape)
+        if args.grad_classifier
+        else empty_output(classifier),
+        bias.new_empty(bias.shape)
+        if args.grad_bias and bias is not None
+        else empty_output(classifier),
     )
 
 
@@ -106,12 +95,9 @@ _PASSED_ON = (
 
 
 def check_version(version: int) -> None:
-    if version != IMPLEMENTATION_VERSION:
-        raise RuntimeError(
-            f"cce::vocab_parallel_cross_entropy was called with implementation_version "
-            f"{version}, this cce_compile is {IMPLEMENTATION_VERSION}: a stale compiled graph; "
-            "clear the torch.compile caches (TORCHINDUCTOR_CACHE_DIR)"
-        )
+    versioning.check(
+        version, expected=IMPLEMENTATION_VERSION, op="cce::vocab_parallel_cross_entropy"
+    )
 
 
 def _setup_context(ctx, inputs, output) -> None:
