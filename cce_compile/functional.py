@@ -148,7 +148,7 @@ def _validate_options(
         raise ValueError(f"mode must be one of {config.MODES} or None, got {mode!r}")
 
 
-def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
     """The dtype an enclosing autocast region gives ``F.linear`` on ``device``, or None."""
     if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
@@ -283,7 +283,7 @@ def linear_cross_entropy(
     # Under autocast F.linear rounds its inputs to the autocast dtype: the op does the same
     # inside, and returns gradients in the inputs' own dtypes (float32 weights keep float32
     # gradients, with no rounded copy of the classifier).
-    compute_dtype = _autocast_dtype(hidden.device)
+    compute_dtype = autocast_dtype(hidden.device)
     if compute_dtype is None:
         _validate_dtypes(hidden, classifier, bias)
     dim = hidden.shape[-1]

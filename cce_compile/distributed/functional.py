@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from ..functional import autocast_dtype
 from ..loss_math import LossSpec
 from ..op_signature import LOSS_OPTIONS
 from . import ops as _ops
@@ -71,13 +72,6 @@ def _check_tensors(hidden, classifier, targets, bias, class_weights, shard) -> N
     }
     if len(devices) > 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-
-
-def _autocast_dtype(device: torch.device) -> torch.dtype | None:
-    """The dtype an enclosing autocast region gives F.linear on ``device``, or None."""
-    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return None
 
 
 def _local(value: Tensor | None, name: str) -> Tensor | None:
@@ -180,7 +174,7 @@ def vocab_parallel_cross_entropy(
     _check_tensors(hidden, classifier, targets, bias, class_weights, shard)
     if shift and (hidden.dim() < 2 or not 0 <= shift < hidden.shape[-2]):
         raise ValueError(f"shift must be in [0, T) for hidden of shape {tuple(hidden.shape)}")
-    compute_dtype = _autocast_dtype(hidden.device)
+    compute_dtype = autocast_dtype(hidden.device)
     if compute_dtype is None and (
         classifier.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype)
     ):
