@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from . import config, filtering, policy, torch_path
+from . import compaction, config, filtering, policy, torch_path
 from .interface import ForwardOut, Gradients, Implementation, Needs
 from .loss_math import (
     LossSpec,
@@ -91,14 +91,31 @@ def needs_of(args: Bound) -> Needs:
 
 def forward(args: Bound) -> ForwardOut:
     """Loss and per-row lse; fast mode also its unit-gradient buffers, lean mode with
-    filtering the mask of blocks its backward computes."""
+    filtering the mask of blocks its backward computes; with ``skip_ignored`` the rows it
+    computed on (compaction.py)."""
     spec = args.spec()
     vocab = args.classifier.shape[0]
     check_targets(args.targets, args.class_weights, spec, vocab)
+    budget = _budget_of(args)
+    selection = compaction.select(args, row_targets(args.targets, args.class_weights, spec, vocab))
+    if selection is None or not selection.compacted:
+        out = _forward_rows(args, budget)
+    else:
+        compact = compaction.compact(args, selection)
+        out = _forward_rows(compact, budget - compaction.copy_bytes(args, selection))
+        out = _expanded(out, selection, args)
+    out.row_index = None if selection is None else selection.index
+    return out
+
+
+def _forward_rows(args: Bound, budget: int) -> ForwardOut:
+    """``forward`` on every row of ``args``."""
+    spec = args.spec()
+    vocab = args.classifier.shape[0]
     impl = implementation_for(args.hidden.device)
     rows = row_targets(args.targets, args.class_weights, spec, vocab)
     tensors = (args.hidden, args.classifier, args.targets, args.bias, args.class_weights)
-    sizing = dict(budget_bytes=_budget_of(args), compute_dtype=_compute_dtype(args))
+    sizing = dict(budget_bytes=budget, compute_dtype=_compute_dtype(args))
     with float32_math(args.hidden.device):
         if args.mode == "fast" and needs_of(args).any:
             out = impl.fast_forward(*tensors, spec, rows, needs=needs_of(args), **sizing)
@@ -122,6 +139,20 @@ def forward(args: Bound) -> ForwardOut:
     out.lse = returned_lse(lse, rows, args.lse_all_rows)
     if out.grad_hidden is not None:  # the op returns it in hidden's own dtype
         out.grad_hidden = out.grad_hidden.to(args.hidden.dtype)
+    return out
+
+
+def _expanded(out: ForwardOut, selection: compaction.Selection, args: Bound) -> ForwardOut:
+    """The outputs of a forward on the kept rows, for every row (zeros at skipped ones)."""
+    if args.reduction == "none":
+        out.loss = compaction.expand_rows(out.loss, selection)
+    out.lse = compaction.expand_rows(out.lse, selection)
+    if out.keep_blocks is not None:
+        out.keep_blocks = compaction.expand_rows(out.keep_blocks, selection)
+    if out.grad_hidden is not None:
+        out.grad_hidden = compaction.expand_hidden(
+            out.grad_hidden, selection, args.hidden, args.shift
+        )
     return out
 
 
@@ -161,46 +192,74 @@ def backward(args: Bound) -> Gradients:
 
     Fast mode's buffers hold the loss's gradients for a unit upstream gradient: they are
     scaled, and only the lse's part (if any) is recomputed. Needs they do not cover (a
-    gradient the forward was not asked for) are recomputed in full.
+    gradient the forward was not asked for) are recomputed in full, on the rows the forward
+    computed on.
     """
-    spec = args.spec()
     needs = needs_of(args)
-    inputs = (args.hidden, args.classifier, args.bias)
     impl = implementation_for(args.hidden.device)
     buffers = (args.fast_grad_hidden, args.fast_grad_classifier, args.fast_grad_bias)
     served = Needs(*(b is not None for b in buffers))
     grads: list[torch.Tensor | None] = [None, None, None]
     grad_loss = args.grad_loss
+    inputs = (args.hidden, args.classifier, args.bias)
     with float32_math(args.hidden.device):
         if grad_loss is not None and served.any and not needs.without(served).any:
+            wanted = (needs.hidden, needs.classifier, needs.bias)
             for i, (buffer, like) in enumerate(zip(buffers, inputs)):
-                if buffer is not None and (needs.hidden, needs.classifier, needs.bias)[i]:
+                if buffer is not None and wanted[i]:
                     grads[i] = impl.scale_to(buffer, grad_loss, like.dtype)
             grad_loss = None  # consumed
         if grad_loss is not None or args.grad_lse is not None:
-            if grad_loss is not None and spec.reduction == "none":
-                grad_loss = grad_loss.reshape(-1)
-            grad_lse = None if args.grad_lse is None else args.grad_lse.reshape(-1)
-            vocab = args.classifier.shape[0]
-            lse = args.lse.reshape(-1)
-            rows = row_targets(args.targets, args.class_weights, spec, vocab)
-            coefs = row_coefficients(grad_loss, grad_lse, lse, rows, spec, vocab, args.lse_all_rows)
-            computed = impl.gradients(
-                *inputs[:2],
-                args.targets,
-                args.bias,
-                args.class_weights,
-                lse,
-                coefs,
-                spec,
-                col_start=0,
-                needs=needs,
-                budget_bytes=_budget_of(args),
-                compute_dtype=_compute_dtype(args),
-                keep_blocks=args.keep_blocks,
-            )
-            for i, (extra, like) in enumerate(zip(computed, inputs)):
+            recomputed = _recomputed(args.replace(grad_loss=grad_loss), impl, needs)
+            for i, extra in enumerate(recomputed):
                 if extra is not None:
-                    extra = extra.to(like.dtype)
                     grads[i] = extra if grads[i] is None else grads[i] + extra
     return grads[0], grads[1], grads[2]
+
+
+def _recomputed(args: Bound, impl: Implementation, needs: Needs) -> Gradients:
+    """The gradients from recomputed logits (lean), in the inputs' dtypes."""
+    budget = _budget_of(args)
+    selection = compaction.of_backward(args)
+    if selection is None or not selection.compacted:
+        return _recomputed_rows(args, impl, needs, budget)
+    per_row = dict(lse=args.lse.reshape(-1), keep_blocks=args.keep_blocks)
+    per_row["grad_lse"] = None if args.grad_lse is None else args.grad_lse.reshape(-1)
+    if args.grad_loss is not None and args.reduction == "none":
+        per_row["grad_loss"] = args.grad_loss.reshape(-1)
+    compact = compaction.compact(args, selection, **per_row)
+    budget -= compaction.copy_bytes(args, selection)
+    grad_hidden, grad_classifier, grad_bias = _recomputed_rows(compact, impl, needs, budget)
+    if grad_hidden is not None:
+        grad_hidden = compaction.expand_hidden(grad_hidden, selection, args.hidden, args.shift)
+    return grad_hidden, grad_classifier, grad_bias
+
+
+def _recomputed_rows(args: Bound, impl: Implementation, needs: Needs, budget: int) -> Gradients:
+    """``_recomputed`` on every row of ``args``."""
+    spec = args.spec()
+    grad_loss = args.grad_loss
+    if grad_loss is not None and spec.reduction == "none":
+        grad_loss = grad_loss.reshape(-1)
+    grad_lse = None if args.grad_lse is None else args.grad_lse.reshape(-1)
+    vocab = args.classifier.shape[0]
+    lse = args.lse.reshape(-1)
+    rows = row_targets(args.targets, args.class_weights, spec, vocab)
+    coefs = row_coefficients(grad_loss, grad_lse, lse, rows, spec, vocab, args.lse_all_rows)
+    computed = impl.gradients(
+        args.hidden,
+        args.classifier,
+        args.targets,
+        args.bias,
+        args.class_weights,
+        lse,
+        coefs,
+        spec,
+        col_start=0,
+        needs=needs,
+        budget_bytes=budget,
+        compute_dtype=_compute_dtype(args),
+        keep_blocks=args.keep_blocks,
+    )
+    likes = (args.hidden, args.classifier, args.bias)
+    return tuple(None if g is None else g.to(like.dtype) for g, like in zip(computed, likes))

@@ -382,6 +382,7 @@ def _call_op(tensors, compute_dtype, options, *, mode, return_lse, grad_filter):
             grad_bias=needs_b,
             implementation_version=_ops.IMPLEMENTATION_VERSION,
             grad_filter=grad_filter,
+            skip_ignored=settings.skip_ignored,
         )
     )
     return loss, lse

@@ -45,6 +45,7 @@ class ForwardOut:
     grad_classifier: torch.Tensor | None = None  # fast mode: float32 accumulator (V, D)
     grad_bias: torch.Tensor | None = None  # fast mode: float32 accumulator (V,)
     keep_blocks: torch.Tensor | None = None  # gradient filtering: (N, blocks) uint8
+    row_index: torch.Tensor | None = None  # the rows computed on (compaction.py), int64
 
 
 Gradients = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]

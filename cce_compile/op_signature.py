@@ -43,6 +43,15 @@ class Bound:
         except KeyError:
             raise AttributeError(name) from None
 
+    def replace(self, **changes: Any) -> Bound:
+        """The same call with some arguments changed (by name)."""
+        unknown = sorted(set(changes) - set(self._values))
+        if unknown:
+            raise TypeError(f"unknown arguments {unknown}")
+        bound = object.__new__(Bound)
+        bound._values = {**self._values, **changes}
+        return bound
+
     def pick(self, names: Iterable[str]) -> dict[str, Any]:
         return {name: self._values[name] for name in names}
 
@@ -115,10 +124,12 @@ FORWARD = Signature(
         Argument("implementation_version", "int"),  # see versioning.py
         # Gradient filtering's per-row budget of skipped softmax mass (filtering.py); lean only.
         Argument("grad_filter", "float?", default=None),
+        # Compact away rows whose target is ignore_index before computing (compaction.py).
+        Argument("skip_ignored", "bool", default=False),
     ]
 )
-# loss, lse, fast_grad_hidden, fast_grad_classifier, fast_grad_bias, keep_blocks
-FORWARD_RETURNS = "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+# loss, lse, fast_grad_hidden, fast_grad_classifier, fast_grad_bias, keep_blocks, row_index
+FORWARD_RETURNS = "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 
 BACKWARD = Signature(
     [
@@ -130,6 +141,7 @@ BACKWARD = Signature(
         Argument("fast_grad_classifier", "Tensor?"),
         Argument("fast_grad_bias", "Tensor?"),
         Argument("keep_blocks", "Tensor?", default=None),  # gradient filtering's mask
+        Argument("row_index", "Tensor?", default=None),  # the forward's rows (compaction.py)
         *_OPTIONS,
         Argument("lse_all_rows", "bool"),
         *_GRAD_FLAGS,

@@ -32,15 +32,18 @@ def row_shape(hidden: Tensor, shift: int) -> tuple:
     return (hidden.shape[0], hidden.shape[1] - shift)
 
 
-def _forward(*values) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _forward(*values) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (loss, lse, fast_grad_hidden, fast_grad_classifier, fast_grad_bias,
-    keep_blocks).
+    keep_blocks, row_index).
 
     ``loss`` is float32, a scalar or (B, T - shift) for reduction 'none'; ``lse`` is float32
     (B, T - shift) (0 at ignored rows unless ``lse_all_rows``). In mode 'fast' the three
     ``fast_*`` are d loss / d input for a unit upstream gradient (hidden's dtype for hidden,
     float32 for classifier and bias) where requested, else empty; in mode 'lean' they are
     always empty. ``keep_blocks`` is gradient filtering's (N, blocks) uint8 mask, else empty.
+    ``row_index`` (int64) is, with ``skip_ignored``, the loss rows the forward computed on
+    (all N of them when it skipped none: compaction.py), else empty; its size depends on the
+    targets' values.
     """
     args = FORWARD.bind(values)
     out = execution.forward(args)
@@ -55,7 +58,27 @@ def _forward(*values) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         out.grad_classifier if out.grad_classifier is not None else empty_output(classifier, f32),
         out.grad_bias if out.grad_bias is not None else empty_output(classifier, f32),
         out.keep_blocks if out.keep_blocks is not None else empty_output(classifier, torch.uint8),
+        out.row_index if out.row_index is not None else empty_output(hidden, torch.int64),
     )
+
+
+def _rows_kept_size() -> torch.SymInt:
+    """The size of ``row_index`` in a fake kernel: a new unbacked (data-dependent) size.
+
+    ``ctx.new_dynamic_size()`` refuses unless Dynamo captures data-dependent output shapes
+    (fullgraph=True or capture_dynamic_output_shape_ops), because for an op in user code the
+    alternative is a graph break. Nothing but our own backward reads this size, so the op
+    stays in the graph either way: the symbol is made directly, as PyTorch's device-mesh op
+    does for its data-dependent coordinate.
+    """
+    from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
+
+    shape_env = getattr(torch.library.get_ctx(), "_shape_env", None)
+    if shape_env is None:  # not under torch.compile's fake mode: PyTorch's own error
+        return torch.library.get_ctx().new_dynamic_size()
+    size = shape_env.create_unbacked_symint()
+    _constrain_range_for_size(size, min=0)
+    return size
 
 
 def _forward_fake(*values):
@@ -79,6 +102,9 @@ def _forward_fake(*values):
         )
         if execution.filters(args)
         else empty_output(classifier, torch.uint8),
+        hidden.new_empty((_rows_kept_size(),), dtype=torch.int64)
+        if args.skip_ignored
+        else empty_output(hidden, torch.int64),
     )
 
 
@@ -126,8 +152,9 @@ _PASSED_ON = ("compute_dtype", *LOSS_OPTIONS, "lse_all_rows")  # forward -> back
 def _setup_context(ctx, inputs, output) -> None:
     args = FORWARD.bind(inputs)
     versioning.check(args.implementation_version)
-    loss, lse, fast_h, fast_c, fast_b, keep_blocks = output
-    ctx.mark_non_differentiable(fast_h, fast_c, fast_b, keep_blocks)
+    loss, lse, fast_h, fast_c, fast_b, keep_blocks, row_index = output
+    ctx.mark_non_differentiable(fast_h, fast_c, fast_b, keep_blocks, row_index)
+    ctx.skip_ignored = args.skip_ignored
     ctx.filtered = execution.filters(args)
     # Unused outputs get None, not zeros: fast mode then knows statically that lse carries no
     # gradient, and the backward skips work for it.
@@ -152,11 +179,12 @@ def _setup_context(ctx, inputs, output) -> None:
         fast_c,
         fast_b,
         keep_blocks,
+        row_index,
     )
 
 
 def _backward(ctx, grad_loss, grad_lse, *_unused):
-    hidden, classifier, targets, bias, class_weights, lse, fast_h, fast_c, fast_b, keep = (
+    (hidden, classifier, targets, bias, class_weights, lse, fast_h, fast_c, fast_b, keep, rows) = (
         ctx.saved_tensors
     )
     needed = dict(zip(FORWARD.names, ctx.needs_input_grad))
@@ -184,6 +212,7 @@ def _backward(ctx, grad_loss, grad_lse, *_unused):
             fast_grad_classifier=fast[1],
             fast_grad_bias=fast[2],
             keep_blocks=keep if ctx.filtered else None,
+            row_index=rows if ctx.skip_ignored else None,
             grad_hidden=needs_h,
             grad_classifier=needs_c,
             grad_bias=needs_b,

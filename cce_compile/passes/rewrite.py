@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
 
 from .. import config, policy
 from ..op_signature import FORWARD
@@ -43,6 +44,13 @@ class _Emitter:
             value = target(*p.example_args(args), **p.example_args(kwargs))
         node.meta["example_value"] = value
         node.meta["val"] = value
+        # A size that depends on data (the op's row_index) is a new unbacked symbol: bind it
+        # to this node, as Dynamo does for the nodes it traces.
+        shape_env = getattr(self.fake_mode, "shape_env", None)
+        if shape_env is not None:
+            bindings = compute_unbacked_bindings(shape_env, value)
+            if bindings:
+                node.meta["unbacked_bindings"] = bindings
         return node
 
 
@@ -110,6 +118,14 @@ def choose_site_mode(site: Site, needs: tuple[bool, bool, bool]) -> str:
     budget = policy.budget_bytes(problem, settings.memory_budget_mb, settings.memory_fraction)
     requested = "lean" if site_grad_filter(site) is not None else settings.mode
     return policy.choose_mode(requested, problem=problem, budget=budget, **common)
+
+
+def site_skips_ignored() -> bool:
+    """CCE_SKIP_IGNORED, unless Inductor runs this graph as CUDA graphs: compaction sizes
+    the work by the targets' values (a host sync), which a captured graph cannot do."""
+    import torch._inductor.config as inductor_config
+
+    return config.get().skip_ignored and not inductor_config.triton.cudagraphs
 
 
 def site_grad_filter(site: Site) -> float | None:
@@ -187,6 +203,7 @@ def rewrite_site(graph: Graph, site: Site) -> Node:
             grad_bias=needs[2],
             implementation_version=IMPLEMENTATION_VERSION,
             grad_filter=site_grad_filter(site),
+            skip_ignored=site_skips_ignored(),
         ),
     )
     at_loss = _Emitter(graph, loss)  # the loss's replacement may need its target's sizes
