@@ -254,14 +254,18 @@ def fast_forward(
     )
     work_dtype = _work_dtype(hidden_c)
     grad_buf = logits_buf if work_dtype == torch.float32 else logits_buf.view(work_dtype)[:, :vocab]
-    # float32 straight out of the GEMM's accumulator, rounded once at the end: a bf16 output
-    # lets cuBLAS reduce split-K partials in bf16 (allow_bf16_reduced_precision_reduction),
-    # which measurably loses accuracy against lean mode on a peaked softmax.
+    # In hidden's own dtype (the op's output); each chunk's GEMM writes float32 (``stage``)
+    # that is rounded once into it: a bf16 GEMM output lets cuBLAS reduce split-K partials in
+    # bf16 (allow_bf16_reduced_precision_reduction), which measurably loses accuracy against
+    # lean mode on a peaked softmax. No N x D float32 buffer.
     grad_positions = (
-        torch.empty((n_positions, dim), dtype=torch.float32, device=device)
+        torch.empty((n_positions, dim), dtype=hidden.dtype, device=device)
         if needs.hidden
         else None
     )
+    stage = None
+    if grad_positions is not None and hidden.dtype != torch.float32:
+        stage = torch.empty((logits_buf.shape[0], dim), dtype=torch.float32, device=device)
     # Written, not accumulated, by the first chunk's GEMM (beta = 0): no zero fill, unless
     # there is no chunk at all (no rows).
     alloc = torch.empty if n_positions else torch.zeros
@@ -296,7 +300,9 @@ def fast_forward(
             grad=grad,
             out=tuple(None if s is None else s[start:stop] for s in stats),
         )
-        if grad_positions is not None:
+        if stage is not None:
+            grad_positions[start:stop] = _matmul(grad, classifier_c, out=stage[: stop - start])
+        elif grad_positions is not None:
             _matmul(grad, classifier_c, out=grad_positions[start:stop])
         if grad_classifier is not None:
             _addmm_f32_(grad_classifier, grad.t(), h, first=start == 0)
