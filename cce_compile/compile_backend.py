@@ -33,8 +33,11 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any):
     if kwargs:
         raise TypeError(f"cce_compile.backend got unexpected arguments {sorted(kwargs)}")
     tracing.ignore_library_logging()  # for the next compiles, if transformers came late
-    run_on_module(gm)
     inductor = torch._TorchCompileInductorWrapper(mode, options, None)
+    # The pass sees Inductor's settings for this compile (CUDA graphs under "reduce-overhead"
+    # and "max-autotune" change what it emits), as it does when Inductor's hook runs it.
+    with torch._inductor.config.patch(inductor.config):
+        run_on_module(gm)
     return inductor(gm, example_inputs)
 
 
