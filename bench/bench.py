@@ -36,7 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))  # PYTHONPATH first
 
 SHAPES = {  # name: (N, D, V)
     "A": (8192, 2304, 256000),

@@ -15,13 +15,22 @@ import argparse
 import collections
 import json
 import pathlib
+import statistics
 import sys
+import time
 
 import torch
 
-sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[i]) for i in (0, 1)]
+sys.path += [str(pathlib.Path(__file__).resolve().parents[i]) for i in (0, 1)]
 import cce_compile  # noqa: E402
-from bench import SHAPES, Scenario, cuda_time_ms, environment, make_inputs  # noqa: E402
+from bench import (  # noqa: E402
+    SHAPES,
+    Scenario,
+    cuda_time_ms,
+    environment,
+    make_inputs,
+    under_scenario,
+)
 
 OURS = ("_lse_forward", "_logit_grad", "_chunk_softmax_grad", "_scale_cast")
 GEMM = ("gemm", "xmma", "cutlass", "nvjet", "sm90", "ampere_bf16", "cublas")
@@ -42,9 +51,13 @@ def profile_shape(name: str, scenario: Scenario, mode: str, steps: int) -> dict:
     h = hidden.clone().requires_grad_()
     c = classifier.clone().requires_grad_(not scenario.frozen)
 
+    loss_fn = under_scenario(
+        lambda h, c, t: cce_compile.linear_cross_entropy(h, c, t, mode=mode), scenario
+    )
+
     def step():
         h.grad = c.grad = None
-        cce_compile.linear_cross_entropy(h, c, targets, mode=mode).backward()
+        loss_fn(h, c, targets).backward()
 
     matmul_ms = cuda_time_ms(lambda: hidden.bfloat16() @ classifier.bfloat16().T, 10, 3)[0]
     step_ms = cuda_time_ms(step, 10, 3)[0]
@@ -66,7 +79,10 @@ def profile_shape(name: str, scenario: Scenario, mode: str, steps: int) -> dict:
     for key, (_, ms) in kernels.items():
         by_category[category(key)] += ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:20]
+    wall_ms = _wall_ms(step)
     return {
+        "wall_ms": wall_ms,
+        "host_ops": _host_ops(step, steps),
         "shape": name,
         "scenario": scenario.name,
         "mode": mode,
@@ -83,6 +99,42 @@ def profile_shape(name: str, scenario: Scenario, mode: str, steps: int) -> dict:
     }
 
 
+def _wall_ms(step, reps: int = 10) -> float:
+    """Median wall-clock time of a synchronised step: launch overhead included."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _host_ops(step, steps: int, top: int = 15) -> list[dict]:
+    """Where the host spends a step (Python and kernel launches), by cProfile's own time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    rows = [
+        {
+            "name": f"{pathlib.Path(file).name}:{line}:{func}"[-80:],
+            "calls": calls // steps,
+            "self_ms": own / steps * 1e3,
+            "total_ms": total / steps * 1e3,
+        }
+        for (file, line, func), (_, calls, own, total, _) in stats.items()
+    ]
+    return sorted(rows, key=lambda r: -r["self_ms"])[:top]
+
+
 def markdown(results: dict) -> str:
     env = results["environment"]
     lines = [f"GPU: {env['gpu']} · torch {env['torch']} · triton {env['triton']}", ""]
@@ -93,7 +145,7 @@ def markdown(results: dict) -> str:
             "",
             f"step {r['step_ms']:.2f} ms = {r['step_ms'] / unit:.2f} matmuls "
             f"(matmul {unit:.2f} ms); kernels {r['kernel_ms']:.2f} ms "
-            f"(the rest of the step is launch gaps)",
+            f"(the rest of the step is launch gaps); wall {r['wall_ms']:.2f} ms synchronised",
             "",
             "| category | ms | x matmul | share of kernels |",
             "|---|---|---|---|",
@@ -104,6 +156,11 @@ def markdown(results: dict) -> str:
         lines += ["", "| kernel | calls/step | ms/step | category |", "|---|---|---|---|"]
         for k in r["kernels"]:
             lines.append(f"| `{k['name']}` | {k['calls']} | {k['ms']:.3f} | {k['category']} |")
+        lines += ["", "| host function | calls/step | own ms | total ms |", "|---|---|---|---|"]
+        for op in r["host_ops"]:
+            lines.append(
+                f"| `{op['name']}` | {op['calls']} | {op['self_ms']:.3f} | {op['total_ms']:.3f} |"
+            )
         lines.append("")
     return "\n".join(lines)
 

@@ -32,7 +32,6 @@ import dataclasses
 
 import torch
 
-from .loss_math import RowTargets
 from .op_signature import Bound
 
 
@@ -57,12 +56,12 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def select(args: Bound, rows: RowTargets) -> Selection | None:
+def select(args: Bound) -> Selection | None:
     """The rows this forward computes on (all of them where it may not compact: module
     docstring); None without ``skip_ignored``. Learning them is a host synchronisation."""
     if not args.skip_ignored:
         return None
-    valid = rows.valid
+    valid = args.targets[:, args.shift :].reshape(-1) != args.ignore_index
     if args.lse_all_rows or _capturing(valid.device):
         return Selection(torch.arange(valid.numel(), device=valid.device), valid.numel())
     return Selection(valid.nonzero().squeeze(1), valid.numel())
@@ -82,26 +81,54 @@ def copy_bytes(args: Bound, selection: Selection) -> int:
     return selection.index.numel() * args.hidden.shape[-1] * args.hidden.element_size()
 
 
+def _row_matrix(hidden: torch.Tensor, shift: int, selection: Selection):
+    """(matrix, positions): a (P, D) view of hidden's rows and the kept rows' indices into it,
+    so that gathers and scatters are row copies (``index_select``), not element indexing.
+    None where hidden's strides have no such view (e.g. a batch dimension of stride 0)."""
+    batch, time, dim = hidden.shape
+    stride_b, stride_t, stride_d = hidden.stride()
+    b, t = selection.cells(time - shift)
+    if stride_d != 1 or stride_t <= 0:
+        return None
+    if batch == 1:
+        seq_stride = time
+    elif stride_b % stride_t == 0 and stride_b // stride_t >= time:
+        seq_stride = stride_b // stride_t
+    else:
+        return None
+    rows = (batch - 1) * seq_stride + time if batch * time else 0
+    return hidden.as_strided((rows, dim), (stride_t, 1)), b * seq_stride + t
+
+
+def gather_hidden(hidden: torch.Tensor, shift: int, selection: Selection) -> torch.Tensor:
+    """The kept rows of hidden (B, T, D) as a compact (1, n, D) copy."""
+    view = _row_matrix(hidden, shift, selection)
+    if view is None:
+        b, t = selection.cells(hidden.shape[1] - shift)
+        return hidden[b, t].unsqueeze(0)
+    matrix, positions = view
+    return matrix.index_select(0, positions).unsqueeze(0)
+
+
 def compact(args: Bound, selection: Selection, **row_values: torch.Tensor | None) -> Bound:
     """``args`` on the kept rows: hidden (1, n, D), targets (1, n), no shift; ``row_values``
     (per loss row, flattened to (N, ...)) restricted to the same rows."""
     shift = args.shift
-    b, t = selection.cells(args.hidden.shape[1] - shift)
+    targets = args.targets[:, shift:].reshape(-1)
     changes: dict = dict(
-        hidden=args.hidden[b, t].unsqueeze(0),
-        targets=args.targets[b, t + shift].unsqueeze(0),
+        hidden=gather_hidden(args.hidden, shift, selection),
+        targets=targets.index_select(0, selection.index).unsqueeze(0),
         shift=0,
     )
     for name, value in row_values.items():
-        changes[name] = None if value is None else value[selection.index]
+        changes[name] = None if value is None else value.index_select(0, selection.index)
     return args.replace(**changes)
 
 
 def expand_rows(values: torch.Tensor, selection: Selection) -> torch.Tensor:
     """(n, ...) values of the kept rows -> (N, ...), zeros at the skipped rows."""
     out = values.new_zeros((selection.n_rows, *values.shape[1:]))
-    out[selection.index] = values
-    return out
+    return out.index_copy_(0, selection.index, values)
 
 
 def expand_hidden(
@@ -110,6 +137,6 @@ def expand_hidden(
     """A (1, n, D) gradient of the compact hidden -> hidden's (B, T, D), exact zeros at every
     other position."""
     out = grad.new_zeros(hidden.shape)
-    b, t = selection.cells(hidden.shape[1] - shift)
-    out[b, t] = grad[0]
+    matrix, positions = _row_matrix(out, shift, selection)  # ``out`` is contiguous
+    matrix.index_copy_(0, positions, grad[0])
     return out

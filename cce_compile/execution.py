@@ -97,7 +97,7 @@ def forward(args: Bound) -> ForwardOut:
     vocab = args.classifier.shape[0]
     check_targets(args.targets, args.class_weights, spec, vocab)
     budget = _budget_of(args)
-    selection = compaction.select(args, row_targets(args.targets, args.class_weights, spec, vocab))
+    selection = compaction.select(args)
     if selection is None or not selection.compacted:
         out = _forward_rows(args, budget)
     else:

@@ -179,6 +179,45 @@ def _transform_route(*present: Tensor) -> str:
     return ""
 
 
+@torch.compiler.assume_constant_result
+def _compiled_into_cuda_graphs() -> bool:
+    """Does the torch.compile tracing this call record CUDA graphs (mode "reduce-overhead" or
+    "max-autotune", or Inductor's ``triton.cudagraphs``)? The op then keeps every row: skipping
+    ignored ones sizes the work by the targets' values, which a recorded graph cannot do.
+    Dynamo calls this at trace time (its backend is known then); outside Dynamo, False."""
+    import torch._inductor.config as inductor_config
+
+    if inductor_config.triton.cudagraphs:
+        return True
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        backend = InstructionTranslator.current_tx().output.compiler_fn
+    except Exception:  # not tracing, or a torch without these internals
+        return False
+    while backend is not None:  # through Dynamo's debug and torch.compile's wrappers
+        if hasattr(backend, "get_compiler_config"):  # the default backend, with its mode
+            if (backend.get_compiler_config() or {}).get("triton.cudagraphs"):
+                return True
+        kwargs = getattr(backend, "kwargs", None) or {}  # a named backend given mode/options
+        options = dict(kwargs.get("options") or {})
+        if kwargs.get("mode"):
+            options.update(torch._inductor.list_mode_options(kwargs["mode"]))
+        if options.get("triton.cudagraphs"):
+            return True
+        backend = getattr(backend, "_torchdynamo_orig_backend", None) or getattr(
+            backend, "compiler_fn", None
+        )
+    return False
+
+
+def _skips_ignored() -> bool:
+    """CCE_SKIP_IGNORED, unless this call is being compiled into CUDA graphs."""
+    if not config.get().skip_ignored:
+        return False
+    return not (torch.compiler.is_compiling() and _compiled_into_cuda_graphs())
+
+
 def _autograd_route(tensors, logit_scale, softcap) -> str | None:
     """Why the op's own autograd formula cannot serve this call, or None if it can."""
     grad_on = torch.is_grad_enabled()
@@ -382,7 +421,7 @@ def _call_op(tensors, compute_dtype, options, *, mode, return_lse, grad_filter):
             grad_bias=needs_b,
             implementation_version=_ops.IMPLEMENTATION_VERSION,
             grad_filter=grad_filter,
-            skip_ignored=settings.skip_ignored,
+            skip_ignored=_skips_ignored(),
         )
     )
     return loss, lse

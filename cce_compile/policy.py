@@ -47,6 +47,11 @@ MIN_FROZEN_FAST_ROWS = 256
 # traffic is ~8 N D V / w bytes against 6 N V D FLOPs, ~13% of the GEMMs' time at 2048 on an
 # H100-class GPU (~200 FLOP per byte), ~3% at 8192.
 MIN_SLAB_COLUMNS = 2048
+# The least work per lean backward slab, in multiply-adds of one of its three GEMMs (N x w x
+# D): ~0.3 ms of GEMMs on an H100-class GPU, about what the host takes to launch a slab (a
+# Triton kernel and two cuBLAS calls). Below it the backward waits on the host: shape C
+# (4096 x 2048 x 32000) took 16 slabs of 2048 classes at 2x its GPU time.
+MIN_SLAB_MACS = 2**35
 # The smallest budget: tiny problems (tests, the CPU demo's first steps) still get chunks of
 # useful size.
 MIN_BUDGET = 1 << 20
@@ -104,13 +109,16 @@ def fast_run_rows(problem: Problem, needs_classifier: bool, budget: int) -> int:
 def lean_slab_columns(problem: Problem, needs_hidden: bool, budget: int) -> int:
     """Classes per lean backward slab within the budget (before rounding to whole tiles), at
     least ``MIN_SLAB_COLUMNS``: every slab re-reads and re-writes the float32 d-hidden
-    accumulator (8 N D bytes), which at fewer classes costs more than the budget saves."""
+    accumulator (8 N D bytes), which at fewer classes costs more than the budget saves; and
+    at least ``MIN_SLAB_MACS`` of work, or the host's launches outlast the GPU's work (small
+    problems exceed the budget for both reasons)."""
     fixed = problem.rows * problem.dim * 4 if needs_hidden else 0
     per_class = problem.rows * problem.logit_bytes
     if problem.rounds_inputs:
         fixed += problem.rows * problem.dim * problem.logit_bytes
         per_class += problem.dim * problem.logit_bytes
-    return max(MIN_SLAB_COLUMNS, (budget - fixed) // max(1, per_class))
+    launch_floor = -(-MIN_SLAB_MACS // max(1, problem.rows * problem.dim))
+    return max(MIN_SLAB_COLUMNS, launch_floor, (budget - fixed) // max(1, per_class))
 
 
 def forward_slab_columns(problem: Problem, budget: int) -> int:

@@ -259,9 +259,7 @@ def fast_forward(
     # bf16 (allow_bf16_reduced_precision_reduction), which measurably loses accuracy against
     # lean mode on a peaked softmax. No N x D float32 buffer.
     grad_positions = (
-        torch.empty((n_positions, dim), dtype=hidden.dtype, device=device)
-        if needs.hidden
-        else None
+        torch.empty((n_positions, dim), dtype=hidden.dtype, device=device) if needs.hidden else None
     )
     stage = None
     if grad_positions is not None and hidden.dtype != torch.float32:

@@ -16,7 +16,8 @@ import cce_compile
 from cce_compile import config, execution, torch_path
 
 OP = torch.ops.cce.linear_cross_entropy.default
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" or DEVICE == "cuda"
 
 OPTIONS = {
     "plain": {},
@@ -70,17 +71,27 @@ def implementation(request, monkeypatch):
     return seen
 
 
+def _on_device(case):
+    for name in ("hidden", "classifier", "targets", "bias", "class_weights"):
+        value = getattr(case, name)
+        if value is not None:
+            setattr(case, name, value.to(DEVICE))
+    return case
+
+
 def _case(*, shift=0, reduction="mean", ignored=0.5, seed=0, options=()):
     options = dict(options)
-    return build_case(
-        leading=(3, 11),
-        dim=19,
-        vocab=37,
-        seed=seed,
-        ignored_fraction=ignored,
-        shift=shift,
-        reduction=reduction,
-        **options,
+    return _on_device(
+        build_case(
+            leading=(3, 11),
+            dim=19,
+            vocab=37,
+            seed=seed,
+            ignored_fraction=ignored,
+            shift=shift,
+            reduction=reduction,
+            **options,
+        )
     )
 
 
@@ -165,7 +176,7 @@ def test_under_autocast(implementation, dtype):
     case = _case(ignored=0.5)
     hidden = case.hidden.to(dtype).requires_grad_()
     classifier = case.classifier.requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
         loss = cce_compile.linear_cross_entropy(hidden, classifier, case.targets, mode="lean")
     loss.backward()
     assert hidden.grad.dtype == dtype and classifier.grad.dtype == torch.float32
@@ -247,3 +258,55 @@ def test_compiled_with_a_changing_number_of_ignored_rows_does_not_recompile():
         assert_close("loss", loss, oracle(case).float(), LOSS_RTOL[torch.float32])
         assert_close("grad_hidden", grad, want, GRAD_RTOL[torch.float32])
     assert counter.frame_count == 1
+
+
+def _layouts(hidden: torch.Tensor) -> dict:
+    """The same values of hidden (B, T, D) in memory layouts a model hands the loss."""
+    batch, time, dim = hidden.shape
+    longer = hidden.new_zeros(batch, time + 2, dim)
+    longer[:, :time] = hidden
+    transposed = hidden.transpose(0, 1).contiguous().transpose(0, 1)
+    return {
+        "contiguous": hidden,
+        "sliced-sequence": longer[:, :time],  # Hugging Face's hidden[:, :-1]
+        "time-major": transposed,  # (T, B, D) memory
+        "columns-strided": hidden.transpose(1, 2).contiguous().transpose(1, 2),
+        "batch-broadcast": hidden[:1].expand(batch, time, dim),  # stride 0: no row view
+    }
+
+
+@pytest.mark.parametrize(
+    "layout", ["contiguous", "sliced-sequence", "time-major", "columns-strided", "batch-broadcast"]
+)
+@pytest.mark.parametrize("mode", ["lean", "fast"])
+def test_rows_of_any_memory_layout(implementation, layout, mode):
+    case = _case(shift=1, ignored=0.5)
+    if layout == "batch-broadcast":
+        case.hidden = case.hidden[:1].expand_as(case.hidden).clone()
+    case.hidden = _layouts(case.hidden)[layout].detach()
+    run_and_compare(case, mode=mode)
+
+
+@pytest.mark.parametrize(
+    ("backend", "mode", "records"),
+    [
+        ("inductor", None, False),
+        ("inductor", "reduce-overhead", True),
+        ("inductor", "max-autotune", True),
+        ("inductor", "max-autotune-no-cudagraphs", False),
+        ("cce", "reduce-overhead", True),
+        ("cce", None, False),
+    ],
+)
+def test_a_direct_call_knows_when_it_is_compiled_into_cuda_graphs(backend, mode, records):
+    """A call compiled into CUDA graphs keeps every row (no host sync can run in a recorded
+    graph); the answer comes from the compile's own backend and mode."""
+    from cce_compile import functional
+
+    def probe(x):
+        return x + (1.0 if functional._compiled_into_cuda_graphs() else 0.0)
+
+    torch._dynamo.reset()
+    out = torch.compile(probe, backend=backend, mode=mode)(torch.zeros(3))
+    assert bool(out[0] == 1.0) == records
+    assert not functional._compiled_into_cuda_graphs()  # eager: never

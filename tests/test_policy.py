@@ -116,12 +116,18 @@ def test_lean_slab_fills_the_budget():
     assert E.rows * E.dim * 4 + (columns + 1) * E.rows * 2 > budget
 
 
-def test_lean_slab_never_narrower_than_the_efficiency_floor():
-    """Shape C (V < 16 D): the float32 d-hidden accumulator alone is over 1/8 of the logits."""
+def test_lean_slab_never_narrower_than_the_efficiency_floors():
+    """Shape C (V < 16 D): the float32 d-hidden accumulator alone is over 1/8 of the logits,
+    and slabs of the 2048-class floor would leave the GPU waiting on the host's launches: each
+    slab gets at least MIN_SLAB_MACS of work."""
     c = Problem(rows=4096, vocab=32000, dim=2048, logit_bytes=2)
     budget = policy.budget_bytes(c, None, 0.125)
     assert c.rows * c.dim * 4 > budget
-    assert policy.lean_slab_columns(c, True, budget) == policy.MIN_SLAB_COLUMNS
+    columns = policy.lean_slab_columns(c, True, budget)
+    assert columns * c.rows * c.dim >= policy.MIN_SLAB_MACS > (columns - 1) * c.rows * c.dim
+    assert columns > policy.MIN_SLAB_COLUMNS
+    thin = Problem(rows=1 << 20, vocab=32000, dim=4096, logit_bytes=2)  # floor: 2048 classes
+    assert policy.lean_slab_columns(thin, True, 0) == policy.MIN_SLAB_COLUMNS
 
 
 def test_a_fast_run_keeps_to_the_budget_when_auto_would_pick_fast():
