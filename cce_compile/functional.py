@@ -16,7 +16,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from . import config, execution, filtering, torch_path
+from . import call_plan, config, filtering, torch_path
 from . import ops as _ops  # registers torch.ops.cce
 from .loss_math import REDUCTIONS, LossSpec
 from .op_signature import FORWARD
@@ -211,7 +211,7 @@ def _compiled_into_cuda_graphs() -> bool:
     return False
 
 
-def _skips_ignored() -> bool:
+def skips_ignored() -> bool:
     """CCE_SKIP_IGNORED, unless this call is being compiled into CUDA graphs."""
     if not config.get().skip_ignored:
         return False
@@ -354,7 +354,7 @@ def linear_cross_entropy(
         if not (_transform_route(targets2) or torch.compiler.is_compiling()):
             # (batched targets under vmap, and targets in a compiled graph, cannot branch on
             # their values: out-of-range targets then fail in the gather or give NaN rows)
-            execution.check_targets(targets2, class_weights, spec, classifier.shape[0])
+            call_plan.check_targets(targets2, class_weights, spec, classifier.shape[0])
         loss, lse = torch_path.differentiable_loss(
             hidden3,
             classifier,
@@ -363,8 +363,8 @@ def linear_cross_entropy(
             class_weights,
             spec,
             lse_all_rows=return_lse,
-            budget_bytes=execution.budget_bytes(
-                execution.problem_of(hidden3, classifier, shift, compute_dtype)
+            budget_bytes=call_plan.budget_bytes(
+                call_plan.problem_of(hidden3, classifier, shift, compute_dtype)
             ),
             compute_dtype=compute_dtype,
             logit_scale=torch.as_tensor(logit_scale, device=hidden.device),
@@ -394,7 +394,7 @@ def _call_op(tensors, compute_dtype, options, *, mode, return_lse, grad_filter):
     needs_c = grad_on and classifier.requires_grad
     needs_b = grad_on and bias is not None and bias.requires_grad
     settings = config.get()
-    problem = execution.problem_of(hidden, classifier, options["shift"], compute_dtype)
+    problem = call_plan.problem_of(hidden, classifier, options["shift"], compute_dtype)
     chosen = choose_mode(
         "lean" if grad_filter is not None else mode or settings.mode,
         reduction=options["reduction"],
@@ -402,7 +402,7 @@ def _call_op(tensors, compute_dtype, options, *, mode, return_lse, grad_filter):
         needs_classifier=needs_c,
         lse_has_grad=return_lse and grad_on,
         problem=problem,
-        budget=execution.budget_bytes(problem),
+        budget=call_plan.budget_bytes(problem),
         explicit=mode is not None,
     )
     loss, lse, *_ = torch.ops.cce.linear_cross_entropy(
@@ -421,7 +421,7 @@ def _call_op(tensors, compute_dtype, options, *, mode, return_lse, grad_filter):
             grad_bias=needs_b,
             implementation_version=_ops.IMPLEMENTATION_VERSION,
             grad_filter=grad_filter,
-            skip_ignored=_skips_ignored(),
+            skip_ignored=skips_ignored(),
         )
     )
     return loss, lse

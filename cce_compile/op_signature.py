@@ -43,6 +43,10 @@ class Bound:
         except KeyError:
             raise AttributeError(name) from None
 
+    def has(self, name: str) -> bool:
+        """Does the op's signature have this argument?"""
+        return name in self._values
+
     def replace(self, **changes: Any) -> Bound:
         """The same call with some arguments changed (by name)."""
         unknown = sorted(set(changes) - set(self._values))

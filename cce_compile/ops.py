@@ -32,6 +32,82 @@ def row_shape(hidden: Tensor, shift: int) -> tuple:
     return (hidden.shape[0], hidden.shape[1] - shift)
 
 
+# What both ops (this one and distributed.ops's vocabulary-parallel one) share: the rows the
+# forward computed on, the backward op's outputs, which gradients a backward asks for, and
+# the refusal of double backward.
+
+
+def row_index_output(row_index: Tensor | None, hidden: Tensor) -> Tensor:
+    """The forward's ``row_index`` output (compaction.py), empty without ``skip_ignored``."""
+    return row_index if row_index is not None else empty_output(hidden, torch.int64)
+
+
+def row_index_fake(args, hidden: Tensor) -> Tensor:
+    """The fake ``row_index``: its size depends on the targets' values."""
+    if not args.skip_ignored:
+        return empty_output(hidden, torch.int64)
+    return hidden.new_empty((_rows_kept_size(),), dtype=torch.int64)
+
+
+def gradient_outputs(grads, args) -> tuple[Tensor, Tensor, Tensor]:
+    """A backward op's outputs: the gradients, empty placeholders where none was asked for."""
+    likes = (args.hidden, args.classifier, args.classifier)
+    return tuple(g if g is not None else empty_output(like) for g, like in zip(grads, likes))
+
+
+def gradient_outputs_fake(args) -> tuple[Tensor, Tensor, Tensor]:
+    hidden, classifier, bias = args.hidden, args.classifier, args.bias
+    return (
+        hidden.new_empty(hidden.shape) if args.grad_hidden else empty_output(hidden),
+        classifier.new_empty(classifier.shape)
+        if args.grad_classifier
+        else empty_output(classifier),
+        bias.new_empty(bias.shape) if args.grad_bias and bias is not None else empty_output(hidden),
+    )
+
+
+def requested_gradients(ctx, forward) -> dict[str, bool]:
+    """Which of hidden, classifier and bias the backward must differentiate (by name);
+    a class-weights gradient is PyTorch's error, as in F.cross_entropy."""
+    needed = dict(zip(forward.names, ctx.needs_input_grad))
+    if needed["class_weights"]:
+        raise RuntimeError(
+            "the derivative for 'class_weights' is not implemented (as in F.cross_entropy)"
+        )
+    return dict(
+        grad_hidden=needed["hidden"],
+        grad_classifier=needed["classifier"],
+        grad_bias=ctx.has_bias and needed["bias"],
+    )
+
+
+def returned_gradients(forward, requested: dict[str, bool], grads) -> tuple:
+    """The autograd formula's return value: the computed gradients where requested."""
+    grad_h, grad_c, grad_b = grads
+    return forward.gradients(
+        hidden=grad_h if requested["grad_hidden"] else None,
+        classifier=grad_c if requested["grad_classifier"] else None,
+        bias=grad_b if requested["grad_bias"] else None,
+    )
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "cce_compile.linear_cross_entropy does not support double backward (create_graph=True "
+        "followed by a backward through the gradients, e.g. a gradient penalty): compute that "
+        "loss with F.cross_entropy(F.linear(hidden, classifier), targets) instead"
+    )
+
+
+def refuse_double_backward(backward_op) -> None:
+    """A clear error for a backward through the gradients. Without it, PyTorch's generic "no
+    autograd formula was registered" error would name our backward op rather than what the
+    user did."""
+    backward_op.register_autograd(
+        _no_double_backward, setup_context=lambda ctx, inputs, output: None
+    )
+
+
 def _forward(*values) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (loss, lse, fast_grad_hidden, fast_grad_classifier, fast_grad_bias,
     keep_blocks, row_index).
@@ -58,7 +134,7 @@ def _forward(*values) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, T
         out.grad_classifier if out.grad_classifier is not None else empty_output(classifier, f32),
         out.grad_bias if out.grad_bias is not None else empty_output(classifier, f32),
         out.keep_blocks if out.keep_blocks is not None else empty_output(classifier, torch.uint8),
-        out.row_index if out.row_index is not None else empty_output(hidden, torch.int64),
+        row_index_output(out.row_index, hidden),
     )
 
 
@@ -102,32 +178,18 @@ def _forward_fake(*values):
         )
         if execution.filters(args)
         else empty_output(classifier, torch.uint8),
-        hidden.new_empty((_rows_kept_size(),), dtype=torch.int64)
-        if args.skip_ignored
-        else empty_output(hidden, torch.int64),
+        row_index_fake(args, hidden),
     )
 
 
 def _backward_op(*values) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients for (hidden, classifier, bias) in their dtypes; empty where not requested."""
     args = BACKWARD.bind(values)
-    grads = execution.backward(args)
-    likes = (args.hidden, args.classifier, args.classifier)
-    return tuple(g if g is not None else empty_output(like) for g, like in zip(grads, likes))
+    return gradient_outputs(execution.backward(args), args)
 
 
 def _backward_fake(*values):
-    args = BACKWARD.bind(values)
-    hidden, classifier, bias = args.hidden, args.classifier, args.bias
-    return (
-        hidden.new_empty(hidden.shape) if args.grad_hidden else empty_output(hidden),
-        classifier.new_empty(classifier.shape)
-        if args.grad_classifier
-        else empty_output(classifier),
-        classifier.new_empty(bias.shape, dtype=bias.dtype)
-        if args.grad_bias and bias is not None
-        else empty_output(classifier),
-    )
+    return gradient_outputs_fake(BACKWARD.bind(values))
 
 
 linear_cross_entropy = torch.library.custom_op(
@@ -187,18 +249,12 @@ def _backward(ctx, grad_loss, grad_lse, *_unused):
     (hidden, classifier, targets, bias, class_weights, lse, fast_h, fast_c, fast_b, keep, rows) = (
         ctx.saved_tensors
     )
-    needed = dict(zip(FORWARD.names, ctx.needs_input_grad))
-    if needed["class_weights"]:
-        raise RuntimeError(
-            "the derivative for 'class_weights' is not implemented (as in F.cross_entropy)"
-        )
-    needs_h, needs_c = needed["hidden"], needed["classifier"]
-    needs_b = ctx.has_bias and needed["bias"]
+    requested = requested_gradients(ctx, FORWARD)
     if grad_loss is None and grad_lse is None:
         return FORWARD.gradients()
     buffers = (fast_h, fast_c, fast_b)
     fast = [b if filled else None for b, filled in zip(buffers, ctx.fast_filled)]
-    grad_h, grad_c, grad_b = torch.ops.cce.linear_cross_entropy_backward(
+    grads = torch.ops.cce.linear_cross_entropy_backward(
         *BACKWARD.build(
             grad_loss=grad_loss,
             grad_lse=grad_lse,
@@ -213,32 +269,12 @@ def _backward(ctx, grad_loss, grad_lse, *_unused):
             fast_grad_bias=fast[2],
             keep_blocks=keep if ctx.filtered else None,
             row_index=rows if ctx.skip_ignored else None,
-            grad_hidden=needs_h,
-            grad_classifier=needs_c,
-            grad_bias=needs_b,
+            **requested,
             **ctx.passed_on,
         )
     )
-    return FORWARD.gradients(
-        hidden=grad_h if needs_h else None,
-        classifier=grad_c if needs_c else None,
-        bias=grad_b if needs_b else None,
-    )
+    return returned_gradients(FORWARD, requested, grads)
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "cce_compile.linear_cross_entropy does not support double backward (create_graph=True "
-        "followed by a backward through the gradients, e.g. a gradient penalty): compute that "
-        "loss with F.cross_entropy(F.linear(hidden, classifier), targets) instead"
-    )
-
-
-# Without this, PyTorch's generic "no autograd formula was registered" error would name our
-# backward op rather than what the user did.
-linear_cross_entropy_backward.register_autograd(
-    _no_double_backward, setup_context=lambda ctx, inputs, output: None
-)
+refuse_double_backward(linear_cross_entropy_backward)
