@@ -26,6 +26,7 @@ from .. import config
 from ..ops import IMPLEMENTATION_VERSION
 from . import report, tensor_parallel, tracing
 from .matching import REWRITABLE, find_sites
+from .report_types import SiteReport, describe
 from .rewrite import OP, rewrite_site
 
 log = logging.getLogger("cce_compile")
@@ -54,7 +55,7 @@ def pass_uuid() -> str:
 _told: set[tuple[str, str]] = set()  # (location, reason) already logged once
 
 
-def _tell_once(described: report.SiteReport) -> None:
+def _tell_once(described: SiteReport) -> None:
     """Log a site left alone (or whose returned logits were dropped) once per process."""
     key = (described.location, described.reason or described.logits)
     if key in _told:
@@ -80,7 +81,7 @@ def _symbolic_constants(site) -> list[str]:
     return sorted({name for name, value in named if isinstance(value, Node)})
 
 
-def _tell_symbolic_once(described: report.SiteReport, names: list[str]) -> None:
+def _tell_symbolic_once(described: SiteReport, names: list[str]) -> None:
     """A float argument of the op is specialised by Dynamo: each new value recompiles."""
     key = (described.location, "symbolic:" + ",".join(names))
     if not names or key in _told:
@@ -100,7 +101,7 @@ def _tell_symbolic_once(described: report.SiteReport, names: list[str]) -> None:
     )
 
 
-def _count(reports: list[report.SiteReport], step: int) -> None:
+def _count(reports: list[SiteReport], step: int) -> None:
     for described in reports:
         key = "rewritten" if described.rewritten else f"skipped:{described.reason}"
         counters["cce_compile"][key] += step
@@ -113,7 +114,7 @@ def _count(reports: list[report.SiteReport], step: int) -> None:
 _compile: list = [None, 0, []]
 
 
-def _account(reports: list[report.SiteReport]) -> None:
+def _account(reports: list[SiteReport]) -> None:
     """Count and report one graph's sites, replacing those of an abandoned earlier attempt."""
     context = torch._guards.CompileContext.try_get()
     if context is not None:
@@ -129,14 +130,14 @@ def _account(reports: list[report.SiteReport]) -> None:
     report.record(reports)
 
 
-def run_pass(graph: Graph) -> list[report.SiteReport]:
+def run_pass(graph: Graph) -> list[SiteReport]:
     """Rewrite every matched site of ``graph``; returns one report per candidate."""
     settings = config.get()
     tracing.ignore_library_logging()  # for the next compiles, if transformers came late
     reports = []
     for found in find_sites(graph):
         rewrite = isinstance(found, REWRITABLE) and not settings.disable
-        described = report.describe(found, rewritten=rewrite)
+        described = describe(found, rewritten=rewrite)
         if rewrite:
             if isinstance(found, tensor_parallel.TensorParallelSite):
                 tensor_parallel.rewrite(graph, found)
@@ -156,7 +157,7 @@ def run_pass(graph: Graph) -> list[report.SiteReport]:
     return reports
 
 
-def run_on_module(gm: GraphModule) -> list[report.SiteReport]:
+def run_on_module(gm: GraphModule) -> list[SiteReport]:
     """Run on a GraphModule and on the sub-graphs its higher-order ops call (checkpointing)."""
     reports = []
     for _, module in gm.named_modules():
