@@ -20,14 +20,15 @@ import pathlib
 import torch
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import Graph, GraphModule
 
 from .. import config
 from ..ops import IMPLEMENTATION_VERSION
-from . import report, tensor_parallel, tracing
-from .matching import REWRITABLE, find_sites
+from . import report, tracing
+from .matching import find_sites
+from .plain import OP
 from .report_types import SiteReport, describe
-from .rewrite import OP, rewrite_site
+from .verdicts import Site
 
 log = logging.getLogger("cce_compile")
 
@@ -70,15 +71,6 @@ def _tell_once(described: SiteReport) -> None:
             "raises",
             described.location,
         )
-
-
-def _symbolic_constants(site) -> list[str]:
-    """The site's loss constants that are graph inputs (Python floats Dynamo made symbolic)."""
-    factors = [f for f, _ in getattr(site, "scale_factors", ())]
-    named = [("logit scale", f) for f in factors]
-    named += [("softcap", getattr(site, "softcap", None))]
-    named += [("label_smoothing", getattr(site, "label_smoothing", None))]
-    return sorted({name for name, value in named if isinstance(value, Node)})
 
 
 def _tell_symbolic_once(described: SiteReport, names: list[str]) -> None:
@@ -136,15 +128,12 @@ def run_pass(graph: Graph) -> list[SiteReport]:
     tracing.ignore_library_logging()  # for the next compiles, if transformers came late
     reports = []
     for found in find_sites(graph):
-        rewrite = isinstance(found, REWRITABLE) and not settings.disable
+        rewrite = isinstance(found, Site) and not settings.disable
         described = describe(found, rewritten=rewrite)
         if rewrite:
-            if isinstance(found, tensor_parallel.TensorParallelSite):
-                tensor_parallel.rewrite(graph, found)
-            else:
-                _tell_symbolic_once(described, _symbolic_constants(found))
-                rewrite_site(graph, found)
-        elif isinstance(found, REWRITABLE):
+            _tell_symbolic_once(described, found.symbolic_constants())
+            found.rewrite(graph)
+        elif isinstance(found, Site):
             log.debug("cce_compile: not rewriting %s: disabled", found.loss.name)
         _tell_once(described)
         reports.append(described)

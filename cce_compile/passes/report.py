@@ -18,8 +18,9 @@ from torch._dynamo.utils import counters
 
 from .. import config
 from . import graph_breaks, tracing
-from .matching import GRAPH_BREAK, REWRITABLE, Rejection, find_sites
+from .matching import find_sites
 from .report_types import Report, SiteReport, describe
+from .verdicts import GRAPH_BREAK, Rejection, Site
 
 _watchers: list[Report] = []
 
@@ -91,7 +92,7 @@ def explain(fn_or_model, *args, **kwargs) -> Report:
             if isinstance(module, torch.fx.GraphModule):
                 report.graphs += 1
                 for found in find_sites(module.graph):
-                    would_rewrite = isinstance(found, REWRITABLE) and not disabled
+                    would_rewrite = isinstance(found, Site) and not disabled
                     described = describe(found, rewritten=would_rewrite)
                     if isinstance(found, Rejection) and found.reason == GRAPH_BREAK:
                         graph_breaks.blame_break(described, report.breaks)

@@ -9,14 +9,13 @@ import dataclasses
 import sysconfig
 
 from . import predicates as p
-from .matching import (
+from .verdicts import (
     DISABLED,
     DISABLED_DETAIL,
     DTENSOR,
     ESCAPES,
     GRAPH_BREAK,
     MUTATION,
-    REWRITABLE,
     Rejection,
     Site,
 )
@@ -184,7 +183,7 @@ def describe(found: Site | Rejection, rewritten: bool) -> SiteReport:
         result.reason, result.detail = found.reason, found.detail
     elif not rewritten:
         result.reason, result.detail = DISABLED, DISABLED_DETAIL
-    if isinstance(found, REWRITABLE):
+    if isinstance(found, Site):
         rows, vocab = p.size_hint(found.rows), p.size_hint(found.vocab)
         result.rows, result.vocab = rows, vocab
         if rows is not None and vocab is not None:
@@ -192,10 +191,8 @@ def describe(found: Site | Rejection, rewritten: bool) -> SiteReport:
             result.logits_bytes = rows * vocab * (head_bytes + 4)
             if rewritten:
                 # Kept logits stay in memory; only the float32 log-probabilities are saved.
-                kept = bool(found.kept_logits)
+                kept = found.logits_fate == "kept"
                 result.saved_bytes = rows * vocab * 4 if kept else result.logits_bytes
         if rewritten:
-            result.logits = (
-                "kept" if found.kept_logits else "dropped" if found.dropped_logits else "gone"
-            )
+            result.logits = found.logits_fate
     return result

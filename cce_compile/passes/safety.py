@@ -21,6 +21,7 @@ import torch
 from torch.fx import Graph, Node
 
 from . import predicates as p
+from .verdicts import MUTATION, Rejection
 
 # Operators that write their first operand (Dynamo keeps `x += 1`, `x[i] = v` as these).
 _INPLACE_OPERATORS = {
@@ -148,6 +149,24 @@ def first_write(
                 return node, target
             if key in by_storage:
                 return node, by_storage[key]
+    return None
+
+
+def write_in_region(
+    loss: Node, regions: Iterable[tuple[list[Any], Node, Node]], order: dict[Node, int]
+) -> Rejection | None:
+    """Why not, if anything writes in place what the op reads while eager reads it: for each
+    ``(read, start, stop)`` region, the first write after ``start`` up to ``stop``."""
+    for read, start, stop in regions:
+        written = first_write(read, start, stop, order)
+        if written is not None:
+            writer, target = written
+            return Rejection(
+                loss,
+                MUTATION,
+                f"{writer.name} ({target_name(writer)}) writes {target.name} in place "
+                "between the head and the loss",
+            )
     return None
 
 
