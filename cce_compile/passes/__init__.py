@@ -9,10 +9,10 @@ Matching (a loss node -> a ``Site`` to rewrite, or a ``Rejection`` with its reas
 * ``matching``: ``find_sites`` / ``match_site``: every loss node of a graph, sent to its kind.
 * ``walk``: the loss's options and the walk from its input back to the head (views, casts, row
   slices, scaling, softcap), shared by both kinds.
-* ``escapes``: the logits' other users: z-loss logsumexps the op serves, and escaping users
-  (``CCE_ESCAPING_LOGITS``).
+* ``escapes``: the logits' other users: dead code (ignored), z-loss logsumexps the op serves,
+  and escaping users (``CCE_ESCAPING_LOGITS``).
 * ``safety``: what would make a rewrite compute something else (in-place writes, grad mode,
-  bad constants).
+  bad constants), and which nodes are dead code.
 * ``predicates``: small tests on one FX node.
 * ``verdicts``: what matching returns: ``Site`` (the base of each kind's site, with its
   ``rewrite`` hook) or ``Rejection``, and the reason codes.

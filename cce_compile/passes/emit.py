@@ -4,7 +4,8 @@ The plain surgery emits only ``torch.ops`` overloads and builtins (a Python-func
 would make AOTAutograd bypass its cache); the tensor-parallel one also DTensor's methods and
 ``DTensor.from_local``, as Dynamo traces them. Every new node gets ``example_value`` (and
 ``val``, but for a DTensor) computed under the graph's fake mode, and its anchor's source
-location; no placeholder is added; and only replaced nodes that became unused are erased.
+location; no placeholder is added; and only replaced nodes that became unused are erased, with
+the dead code that hung on them.
 
 The ops take ``hidden`` as (B, T, D) and ``targets`` as (B, T): hidden keeps the leading shape
 it has at the head (after any replayed row slices) and targets are reshaped to it.
@@ -20,6 +21,7 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
 
 from . import predicates as p
+from . import safety
 from .verdicts import Site
 
 aten = torch.ops.aten
@@ -161,7 +163,21 @@ def loss_value(emit: Emitter, site: Site, op: Node) -> Node:
 
 
 def erase_unused(graph: Graph, nodes: list[Any]) -> None:
-    """Erase the given nodes that have no users left, in order (users before producers)."""
+    """Erase, in order (users before producers), each of ``nodes`` that nothing but dead code
+    uses any more, that dead code first."""
     for node in nodes:
-        if isinstance(node, Node) and not node.users and node.graph is graph:
-            graph.erase_node(node)
+        if not isinstance(node, Node) or node.graph is not graph or safety.live_users(node):
+            continue
+        for dead in _dead_code_on(node):
+            graph.erase_node(dead)
+        graph.erase_node(node)
+
+
+def _dead_code_on(node: Node) -> list[Node]:
+    """The dead nodes that use ``node``, directly or through each other, users first."""
+    found: list[Node] = []
+    for user in node.users:
+        for dead in [*_dead_code_on(user), user]:
+            if dead not in found:
+                found.append(dead)
+    return found

@@ -3,6 +3,8 @@
 Every user of the head's output or of a node of the chain, besides the chain, the loss and the
 nodes between them, is one of:
 
+* dead code (an unused ``logits.view(-1, V)``, a chain of them): ignored, and erased with the
+  chain when the site is rewritten;
 * a ``logsumexp`` over the logits at the loss rows (a z-loss), possibly through float32 casts:
   the op's lse can serve it;
 * anything else: the logits escape. ``CCE_ESCAPING_LOGITS`` decides: keep (leave the site
@@ -19,13 +21,14 @@ import torch
 from torch.fx import Node
 
 from . import predicates as p
+from . import safety
 
 
 def outside_users(nodes: list[Node], inside: list[Node]) -> list[Node]:
-    """The users of ``nodes`` that are not in ``inside``, each once, in order."""
+    """The live users of ``nodes`` that are not in ``inside``, each once, in order."""
     users: dict[Node, None] = {}
     for node in nodes:
-        for user in node.users:
+        for user in safety.live_users(node):
             if user not in inside:
                 users.setdefault(user)
     return list(users)
@@ -43,7 +46,7 @@ class LogitsUsers:
 def classify_users(
     head: Node, chain: list[Node], inside: list[Node], z_level: set[Node]
 ) -> LogitsUsers:
-    """Sort the users of ``head`` and ``chain`` that are not in ``inside`` (the chain, the
+    """Sort the live users of ``head`` and ``chain`` that are not in ``inside`` (the chain, the
     loss and the nodes between them): a logsumexp over z (``z_level``), or escaping."""
     found = LogitsUsers([], [], [])
     for node in [head, *chain]:
@@ -61,9 +64,12 @@ def classify_users(
 def _through_casts(user: Node) -> tuple[list[Node], Node]:
     """Follow single-user float32 casts and contiguous() from ``user``: (those nodes, end)."""
     path: list[Node] = []
-    while (p.cast_dtype(user) == torch.float32 or p.is_passthrough(user)) and len(user.users) == 1:
+    while p.cast_dtype(user) == torch.float32 or p.is_passthrough(user):
+        users = safety.live_users(user)
+        if len(users) != 1:
+            break
         path.append(user)
-        user = next(iter(user.users))
+        user = users[0]
     return path, user
 
 

@@ -230,7 +230,7 @@ def _serve_logsumexps(found: _Candidate, order: dict[Node, int]) -> tuple[Node, 
         shape = escapes.lse_shape(user, target, rows)
         # The op serves a logsumexp only with its rows, before the logsumexp's first consumer,
         # at a point where its inputs exist and the loss's grad mode holds.
-        first = min([loss, *user.users], key=order.__getitem__)
+        first = min([loss, *safety.live_users(user)], key=order.__getitem__)
         sizes_from = [shape, target if shape == "targets" else None]
         servable = (
             shape is not None
@@ -268,8 +268,7 @@ def _escape(found: _Candidate) -> Rejection | None:
         return None
     policy = config.get().escaping_logits
     logits = [found.walk.head, *found.walk.chain]
-    chain_and_loss = [*found.walk.chain, found.loss]
-    returned = escapes.returned_only(escaping, logits, chain_and_loss)
+    returned = escapes.returned_only(escaping, logits, found.inside)
     training = safety.requires_grad(found.loss)
     droppable = (
         returned
@@ -278,7 +277,7 @@ def _escape(found: _Candidate) -> Rejection | None:
     )
     if policy == "rewrite" or (policy == "drop" and droppable):
         return None
-    detail = escapes.escape_detail(escaping, chain_and_loss, policy, training, returned)
+    detail = escapes.escape_detail(escaping, found.inside, policy, training, returned)
     return Rejection(found.loss, ESCAPES, detail)
 
 

@@ -67,7 +67,7 @@ def loss_options(loss: Node) -> LossOptions | Rejection:
         views=views,
     )
     for node in options.loss_side:
-        if len(node.users) != 1:
+        if len(safety.live_users(node)) != 1:
             return Rejection(loss, ESCAPES, f"{node.name} has other users")
     why = _unsupported_option(args, options, moved=p.is_cross_entropy(loss) and bool(views))
     return options if why is None else Rejection(loss, UNSUPPORTED_OPTION, why)
