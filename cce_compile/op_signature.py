@@ -2,7 +2,7 @@
 
 Everything that builds or reads a call of the ops goes through a :class:`Signature`: the
 schema strings registered with ``torch.library`` (``ops``), the public function and the graph
-rewrite that build calls (``functional``, ``passes.rewrite``), and the autograd formula that
+rewrite that build calls (``functional``, ``passes.plain``), and the autograd formula that
 reads them back. Arguments are looked up by name, never by position. The loss options are the
 fields of :class:`~cce_compile.loss_math.LossSpec`, so a new option is declared there once.
 """

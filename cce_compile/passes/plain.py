@@ -31,6 +31,7 @@ from .emit import (
     loss_value,
     rows_of_hidden,
     shape_of,
+    site_skips_ignored,
     targets_as_rows,
 )
 from .verdicts import DTENSOR, ESCAPES, NO_HEAD, UNSUPPORTED_OPTION, Rejection, Site
@@ -311,14 +312,6 @@ def choose_site_mode(site: PlainSite, needs: tuple[bool, bool, bool]) -> str:
     budget = policy.budget_bytes(problem, settings.memory_budget_mb, settings.memory_fraction)
     requested = "lean" if site_grad_filter(site) is not None else settings.mode
     return policy.choose_mode(requested, problem=problem, budget=budget, **common)
-
-
-def site_skips_ignored() -> bool:
-    """CCE_SKIP_IGNORED, unless Inductor runs this graph as CUDA graphs: compaction sizes
-    the work by the targets' values (a host sync), which a captured graph cannot do."""
-    import torch._inductor.config as inductor_config
-
-    return config.get().skip_ignored and not inductor_config.triton.cudagraphs
 
 
 def site_grad_filter(site: PlainSite) -> float | None:

@@ -50,6 +50,7 @@ from .emit import (
     loss_arguments,
     loss_value,
     rows_of_hidden,
+    site_skips_ignored,
     targets_as_rows,
 )
 from .verdicts import DTENSOR, ESCAPES, UNSUPPORTED_OP, UNSUPPORTED_OPTION, Rejection, Site
@@ -309,6 +310,7 @@ def _rewrite(graph: Graph, site: TensorParallelSite) -> Node:
             reduce_hidden_grad=False,
             lse_all_rows=False,
             implementation_version=ops.IMPLEMENTATION_VERSION,
+            skip_ignored=site_skips_ignored(),
         ),
     )
     new_loss = loss_value(emit, site, op)
