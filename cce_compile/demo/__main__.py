@@ -47,7 +47,11 @@ def _progress(name: str, steps: int):
 
 
 def parse(argv) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m cce_compile.demo", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m cce_compile.demo",
+        description=__doc__.replace("``", ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # one example per line
+    )
     parser.add_argument("--arch", choices=["gpt", "gla"], default="gpt")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--vocab", type=int)
@@ -170,6 +174,8 @@ def _run(args: argparse.Namespace) -> int:
     logits_mib = tokens_per_step * model_cfg.vocab * logits_dtype.itemsize / 2**20
     print()
     print(report.table(baseline, fused, logits_mib if fused.rewritten_sites else None))
+    if device == "cpu":
+        print(report.CPU_NOTE)
     meta = {
         "arch": args.arch,
         "vocab": model_cfg.vocab,
