@@ -38,8 +38,8 @@ base = transformers.LlamaForCausalLM(config).to(device)
 lora = peft.LoraConfig(task_type="CAUSAL_LM", r=8, target_modules=["q_proj", "v_proj"])
 model = peft.get_peft_model(base, lora)
 if args.activation_checkpointing:
-    model.base_model.model.activation_checkpointing_enable()  # non-reentrant by default
-    model.base_model.model.disable_input_require_grads()  # its hook would cut the graph
+    model.activation_checkpointing_enable()  # non-reentrant by default
+    model.disable_input_require_grads()  # its hook would cut the graph
 model.print_trainable_parameters()
 
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)

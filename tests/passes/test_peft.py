@@ -136,7 +136,7 @@ def _checkpointed_lora():
     # transformers' own call (TrainingArguments(activation_checkpointing=True) makes it too);
     # on a model with frozen embeddings it adds a hook that calls requires_grad_() on the
     # embeddings' output, which Dynamo cannot trace.
-    model.base_model.model.activation_checkpointing_enable()
+    model.activation_checkpointing_enable()  # PeftModel hands it to the base model
     return model
 
 
@@ -162,7 +162,7 @@ def test_lora_with_activation_checkpointing_fuses_without_the_input_grads_hook()
     """Non-reentrant checkpointing (transformers' default) does not need the hook; without it
     the loss is fused and the adapter gradients are eager's."""
     model = _checkpointed_lora()
-    model.base_model.model.disable_input_require_grads()
+    model.disable_input_require_grads()
     outcome = check(
         hf_zoo.step(model), hf_zoo.batch(), parameters=model.parameters(), fullgraph=False
     )
@@ -180,3 +180,17 @@ def test_lora_on_the_head_is_left_alone_with_the_reason():
     report = cce_compile.explain(hf_zoo.step(model), *hf_zoo.batch())
     (site,) = report.sites
     assert not site.rewritten and site.reason == "unsupported_op_in_chain", str(report)
+
+
+def test_lora_with_a_fully_trained_head_is_fused():
+    """modules_to_save=["lm_head"]: PEFT trains a copy of the head in full, a plain linear."""
+    base = hf_zoo.tiny("llama")
+    adapters = peft.LoraConfig(
+        task_type="CAUSAL_LM", r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]
+    )
+    model = peft.get_peft_model(base, adapters)
+    assert model.get_output_embeddings().weight.requires_grad
+    outcome = check(hf_zoo.step(model), hf_zoo.batch(), parameters=model.parameters())
+    assert outcome.rewritten == 1
+    (call,) = _op_calls(outcome.graphs)
+    assert call.grad_classifier
