@@ -58,6 +58,13 @@ def blame_break(site: SiteReport, breaks: list[GraphBreak]) -> None:
     text = f"{cut.reason} {cut.location} {cut.text}".lower()
     if any(m in text for m in ("distributed.py", "ddp", "set_runtime_stats_and_log")):
         site.fix = _DDP_FIX
+    elif "require_grads" in text:
+        site.fix = (
+            "transformers' enable_input_require_grads hook (added with activation "
+            "checkpointing when the embeddings are frozen, e.g. under PEFT) breaks the graph: "
+            "call model.disable_input_require_grads() (non-reentrant checkpointing does not "
+            "need it), or set CCE_ESCAPING_LOGITS=drop"
+        )
     elif re.search(r"\bprint\b", text):
         site.fix = (
             "a print() call breaks the graph: add print to "

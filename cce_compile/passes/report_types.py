@@ -16,6 +16,7 @@ from .verdicts import (
     ESCAPES,
     GRAPH_BREAK,
     MUTATION,
+    UNSUPPORTED_OP,
     Rejection,
     Site,
 )
@@ -33,6 +34,10 @@ _FIX = {
     DISABLED: "unset CCE_DISABLE",
     MUTATION: "move the in-place operation before the head or after the loss, or make it "
     "out of place",
+    UNSUPPORTED_OP: "the pass fuses lm_head -> casts, views, row slices, a constant scale or "
+    "softcap -> cross_entropy (docs/graph_forms.md); move other ops after the loss. A LoRA "
+    "adapter on lm_head adds a low-rank branch to the logits: leave lm_head out of PEFT's "
+    "target_modules (or train it whole with modules_to_save), docs/stacks.md",
 }
 
 

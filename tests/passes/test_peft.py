@@ -180,6 +180,7 @@ def test_lora_on_the_head_is_left_alone_with_the_reason():
     report = cce_compile.explain(hf_zoo.step(model), *hf_zoo.batch())
     (site,) = report.sites
     assert not site.rewritten and site.reason == "unsupported_op_in_chain", str(report)
+    assert "target_modules" in site.advice and "modules_to_save" in site.advice
 
 
 def test_lora_with_a_fully_trained_head_is_fused():
