@@ -73,7 +73,8 @@ def _forward_rows(args: Bound, budget: int) -> ForwardOut:
     sizing = dict(budget_bytes=budget, compute_dtype=compute_dtype_of(args))
     with float32_math(args.hidden.device):
         if args.mode == "fast" and needs.any:
-            out = impl.fast_forward(*tensors, spec, rows, needs=needs, **sizing)
+            metrics = dict(entropy=args.return_entropy, argmax=args.return_argmax)
+            out = impl.fast_forward(*tensors, spec, rows, needs=needs, **sizing, **metrics)
             lse = out.lse
         else:
             beta = args.grad_filter if _filtered(args, spec) else None
@@ -83,15 +84,24 @@ def _forward_rows(args: Bound, budget: int) -> ForwardOut:
                 col_start=0,
                 all_rows=args.lse_all_rows,
                 block_lse=beta is not None,
+                mean_z=args.return_entropy,
+                argmax=args.return_argmax,
                 **sizing,
             )
             lse = stats.lse
             out = ForwardOut(
                 finish_loss(lse, stats.target_logit, stats.wsum, rows, spec, vocab), lse
             )
+            out.entropy = None if stats.mean_z is None else lse - stats.mean_z
+            out.argmax = stats.argmax
             if beta is not None:
                 out.keep_blocks = filtering.keep_blocks(stats.block_lse, lse, rows.targets, beta)
     out.lse = returned_lse(lse, rows, args.lse_all_rows)
+    # Metrics of the rows that count (the kernels may skip ignored rows' tiles).
+    if out.entropy is not None:
+        out.entropy = torch.where(rows.valid, out.entropy, 0.0)
+    if out.argmax is not None:
+        out.argmax = torch.where(rows.valid, out.argmax, -1)
     if out.grad_hidden is not None:  # the op returns it in hidden's own dtype
         out.grad_hidden = out.grad_hidden.to(args.hidden.dtype)
     return out
@@ -102,6 +112,10 @@ def _expanded(out: ForwardOut, selection: compaction.Selection, args: Bound) -> 
     if args.reduction == "none":
         out.loss = compaction.expand_rows(out.loss, selection)
     out.lse = compaction.expand_rows(out.lse, selection)
+    if out.entropy is not None:
+        out.entropy = compaction.expand_rows(out.entropy, selection)
+    if out.argmax is not None:
+        out.argmax = compaction.expand_rows(out.argmax, selection, fill=-1)
     if out.keep_blocks is not None:
         out.keep_blocks = compaction.expand_rows(out.keep_blocks, selection)
     if out.grad_hidden is not None:

@@ -130,10 +130,15 @@ FORWARD = Signature(
         Argument("grad_filter", "float?", default=None),
         # Compact away rows whose target is ignore_index before computing (compaction.py).
         Argument("skip_ignored", "bool", default=False),
+        # Also each row's entropy of the softmax and first largest logit's class, from the
+        # same pass (no gradient): what a trainer logs (TRL's entropy and token accuracy).
+        Argument("return_entropy", "bool", default=False),
+        Argument("return_argmax", "bool", default=False),
     ]
 )
-# loss, lse, fast_grad_hidden, fast_grad_classifier, fast_grad_bias, keep_blocks, row_index
-FORWARD_RETURNS = "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+# loss, lse, fast_grad_hidden, fast_grad_classifier, fast_grad_bias, keep_blocks, row_index,
+# entropy, argmax
+FORWARD_RETURNS = "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 
 BACKWARD = Signature(
     [

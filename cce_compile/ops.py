@@ -108,9 +108,9 @@ def refuse_double_backward(backward_op) -> None:
     )
 
 
-def _forward(*values) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _forward(*values) -> tuple[Tensor, ...]:
     """Returns (loss, lse, fast_grad_hidden, fast_grad_classifier, fast_grad_bias,
-    keep_blocks, row_index).
+    keep_blocks, row_index, entropy, argmax).
 
     ``loss`` is float32, a scalar or (B, T - shift) for reduction 'none'; ``lse`` is float32
     (B, T - shift) (0 at ignored rows unless ``lse_all_rows``). In mode 'fast' the three
@@ -119,7 +119,9 @@ def _forward(*values) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, T
     always empty. ``keep_blocks`` is gradient filtering's (N, blocks) uint8 mask, else empty.
     ``row_index`` (int64) is, with ``skip_ignored``, the loss rows the forward computed on
     (all N of them when it skipped none: compaction.py), else empty; its size depends on the
-    targets' values.
+    targets' values. ``entropy`` (float32) and ``argmax`` (int64), shaped like ``lse``, with
+    ``return_entropy`` / ``return_argmax``: each row's softmax entropy and first largest
+    logit's class (0 and -1 at ignored rows), without gradient; else empty.
     """
     args = FORWARD.bind(values)
     out = execution.forward(args)
@@ -135,6 +137,8 @@ def _forward(*values) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, T
         out.grad_bias if out.grad_bias is not None else empty_output(classifier, f32),
         out.keep_blocks if out.keep_blocks is not None else empty_output(classifier, torch.uint8),
         row_index_output(out.row_index, hidden),
+        out.entropy.view(rows) if out.entropy is not None else empty_output(hidden, f32),
+        out.argmax.view(rows) if out.argmax is not None else empty_output(hidden, torch.int64),
     )
 
 
@@ -179,6 +183,10 @@ def _forward_fake(*values):
         if execution.filters(args)
         else empty_output(classifier, torch.uint8),
         row_index_fake(args, hidden),
+        hidden.new_empty(rows, dtype=f32) if args.return_entropy else empty_output(hidden, f32),
+        hidden.new_empty(rows, dtype=torch.int64)
+        if args.return_argmax
+        else empty_output(hidden, torch.int64),
     )
 
 
@@ -214,8 +222,9 @@ _PASSED_ON = ("compute_dtype", *LOSS_OPTIONS, "lse_all_rows")  # forward -> back
 def _setup_context(ctx, inputs, output) -> None:
     args = FORWARD.bind(inputs)
     versioning.check(args.implementation_version)
-    loss, lse, fast_h, fast_c, fast_b, keep_blocks, row_index = output
-    ctx.mark_non_differentiable(fast_h, fast_c, fast_b, keep_blocks, row_index)
+    loss, lse, fast_h, fast_c, fast_b, keep_blocks, row_index, entropy, argmax = output
+    # The entropy is a metric: it carries no gradient (TRL's SFT logs it detached).
+    ctx.mark_non_differentiable(fast_h, fast_c, fast_b, keep_blocks, row_index, entropy, argmax)
     ctx.skip_ignored = args.skip_ignored
     ctx.filtered = execution.filters(args)
     # Unused outputs get None, not zeros: fast mode then knows statically that lse carries no
