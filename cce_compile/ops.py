@@ -81,6 +81,18 @@ def requested_gradients(ctx, forward) -> dict[str, bool]:
     )
 
 
+def differentiate(ctx, signatures, backward_op, grad_loss, grad_lse, **saved) -> tuple:
+    """The autograd formula shared by both ops: their backward op on the saved tensors,
+    its gradients returned where requested; signatures: the (forward, backward) pair."""
+    forward, backward = signatures
+    requested = requested_gradients(ctx, forward)
+    if grad_loss is None and grad_lse is None:
+        return forward.gradients()
+    arguments = dict(grad_loss=grad_loss, grad_lse=grad_lse, **saved, **requested, **ctx.passed_on)
+    grads = backward_op(*backward.build(**arguments))
+    return returned_gradients(forward, requested, grads)
+
+
 def returned_gradients(forward, requested: dict[str, bool], grads) -> tuple:
     """The autograd formula's return value: the computed gradients where requested."""
     grad_h, grad_c, grad_b = grads
@@ -190,31 +202,49 @@ def _forward_fake(*values):
     )
 
 
-def _backward_op(*values) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients for (hidden, classifier, bias) in their dtypes; empty where not requested."""
-    args = BACKWARD.bind(values)
-    return gradient_outputs(execution.backward(args), args)
+def define(
+    name: str,
+    *,
+    forward,
+    forward_fake,
+    forward_signature,
+    forward_returns: str,
+    gradients,
+    backward_signature,
+) -> tuple:
+    """Register an op ``cce::<name>`` and its backward op ``cce::<name>_backward`` (whose
+    kernel computes ``gradients(bound arguments)``, empty where not asked for); returns both.
+    The caller registers the forward's autograd formula; a backward through the backward op
+    is refused (``refuse_double_backward``)."""
+    op = torch.library.custom_op(
+        f"cce::{name}", forward, mutates_args=(), schema=forward_signature.schema(forward_returns)
+    )
+    op.register_fake(forward_fake)
+
+    def backward_op(*values) -> tuple[Tensor, Tensor, Tensor]:
+        args = backward_signature.bind(values)
+        return gradient_outputs(gradients(args), args)
+
+    backward = torch.library.custom_op(
+        f"cce::{name}_backward",
+        backward_op,
+        mutates_args=(),
+        schema=backward_signature.schema(BACKWARD_RETURNS),
+    )
+    backward.register_fake(lambda *values: gradient_outputs_fake(backward_signature.bind(values)))
+    refuse_double_backward(backward)
+    return op, backward
 
 
-def _backward_fake(*values):
-    return gradient_outputs_fake(BACKWARD.bind(values))
-
-
-linear_cross_entropy = torch.library.custom_op(
-    "cce::linear_cross_entropy",
-    _forward,
-    mutates_args=(),
-    schema=FORWARD.schema(FORWARD_RETURNS),
+linear_cross_entropy, linear_cross_entropy_backward = define(
+    "linear_cross_entropy",
+    forward=_forward,
+    forward_fake=_forward_fake,
+    forward_signature=FORWARD,
+    forward_returns=FORWARD_RETURNS,
+    gradients=execution.backward,
+    backward_signature=BACKWARD,
 )
-linear_cross_entropy.register_fake(_forward_fake)
-
-linear_cross_entropy_backward = torch.library.custom_op(
-    "cce::linear_cross_entropy_backward",
-    _backward_op,
-    mutates_args=(),
-    schema=BACKWARD.schema(BACKWARD_RETURNS),
-)
-linear_cross_entropy_backward.register_fake(_backward_fake)
 
 _PASSED_ON = ("compute_dtype", *LOSS_OPTIONS, "lse_all_rows")  # forward -> backward
 
@@ -258,32 +288,25 @@ def _backward(ctx, grad_loss, grad_lse, *_unused):
     (hidden, classifier, targets, bias, class_weights, lse, fast_h, fast_c, fast_b, keep, rows) = (
         ctx.saved_tensors
     )
-    requested = requested_gradients(ctx, FORWARD)
-    if grad_loss is None and grad_lse is None:
-        return FORWARD.gradients()
-    buffers = (fast_h, fast_c, fast_b)
-    fast = [b if filled else None for b, filled in zip(buffers, ctx.fast_filled)]
-    grads = torch.ops.cce.linear_cross_entropy_backward(
-        *BACKWARD.build(
-            grad_loss=grad_loss,
-            grad_lse=grad_lse,
-            hidden=hidden,
-            classifier=classifier,
-            targets=targets,
-            bias=bias,
-            class_weights=class_weights,
-            lse=lse,
-            fast_grad_hidden=fast[0],
-            fast_grad_classifier=fast[1],
-            fast_grad_bias=fast[2],
-            keep_blocks=keep if ctx.filtered else None,
-            row_index=rows if ctx.skip_ignored else None,
-            **requested,
-            **ctx.passed_on,
-        )
+    fast = [b if filled else None for b, filled in zip((fast_h, fast_c, fast_b), ctx.fast_filled)]
+    return differentiate(
+        ctx,
+        (FORWARD, BACKWARD),
+        torch.ops.cce.linear_cross_entropy_backward,
+        grad_loss,
+        grad_lse,
+        hidden=hidden,
+        classifier=classifier,
+        targets=targets,
+        bias=bias,
+        class_weights=class_weights,
+        lse=lse,
+        fast_grad_hidden=fast[0],
+        fast_grad_classifier=fast[1],
+        fast_grad_bias=fast[2],
+        keep_blocks=keep if ctx.filtered else None,
+        row_index=rows if ctx.skip_ignored else None,
     )
-    return returned_gradients(FORWARD, requested, grads)
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
-refuse_double_backward(linear_cross_entropy_backward)

@@ -18,17 +18,14 @@ from torch import Tensor
 from .. import versioning
 from ..op_signature import LOSS_OPTIONS
 from ..ops import (
-    gradient_outputs,
-    gradient_outputs_fake,
-    refuse_double_backward,
-    requested_gradients,
-    returned_gradients,
+    define,
+    differentiate,
     row_index_fake,
     row_index_output,
     row_shape,
 )
 from . import vocab_parallel
-from .signature import BACKWARD, BACKWARD_RETURNS, FORWARD, FORWARD_RETURNS
+from .signature import BACKWARD, FORWARD, FORWARD_RETURNS
 
 # The single-device op's version and this package's sources: a compiled graph from another
 # cce_compile misses the caches or fails loudly (see ``versioning``).
@@ -60,30 +57,15 @@ def _forward_fake(*values) -> tuple[Tensor, Tensor, Tensor]:
     )
 
 
-def _backward_op(*values) -> tuple[Tensor, Tensor, Tensor]:
-    args = BACKWARD.bind(values)
-    return gradient_outputs(vocab_parallel.backward(args), args)
-
-
-def _backward_fake(*values) -> tuple[Tensor, Tensor, Tensor]:
-    return gradient_outputs_fake(BACKWARD.bind(values))
-
-
-vocab_parallel_cross_entropy = torch.library.custom_op(
-    "cce::vocab_parallel_cross_entropy",
-    _forward,
-    mutates_args=(),
-    schema=FORWARD.schema(FORWARD_RETURNS),
+vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backward = define(
+    "vocab_parallel_cross_entropy",
+    forward=_forward,
+    forward_fake=_forward_fake,
+    forward_signature=FORWARD,
+    forward_returns=FORWARD_RETURNS,
+    gradients=vocab_parallel.backward,
+    backward_signature=BACKWARD,
 )
-vocab_parallel_cross_entropy.register_fake(_forward_fake)
-
-vocab_parallel_cross_entropy_backward = torch.library.custom_op(
-    "cce::vocab_parallel_cross_entropy_backward",
-    _backward_op,
-    mutates_args=(),
-    schema=BACKWARD.schema(BACKWARD_RETURNS),
-)
-vocab_parallel_cross_entropy_backward.register_fake(_backward_fake)
 
 # Forward -> backward, unchanged.
 _PASSED_ON = (
@@ -120,28 +102,22 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_loss, grad_lse, _grad_row_index):
     hidden, classifier, targets, bias, class_weights, lse, rows = ctx.saved_tensors
-    requested = requested_gradients(ctx, FORWARD)
-    if grad_loss is None and grad_lse is None:
-        return FORWARD.gradients()
     # Every rank runs this backward (SPMD), so the hidden gradient's all-reduce inside is
     # issued by all of them or, where hidden needs no gradient, by none.
-    grads = torch.ops.cce.vocab_parallel_cross_entropy_backward(
-        *BACKWARD.build(
-            grad_loss=grad_loss,
-            grad_lse=grad_lse,
-            hidden=hidden,
-            classifier=classifier,
-            targets=targets,
-            bias=bias,
-            class_weights=class_weights,
-            lse=lse,
-            row_index=rows if ctx.skip_ignored else None,
-            **requested,
-            **ctx.passed_on,
-        )
+    return differentiate(
+        ctx,
+        (FORWARD, BACKWARD),
+        torch.ops.cce.vocab_parallel_cross_entropy_backward,
+        grad_loss,
+        grad_lse,
+        hidden=hidden,
+        classifier=classifier,
+        targets=targets,
+        bias=bias,
+        class_weights=class_weights,
+        lse=lse,
+        row_index=rows if ctx.skip_ignored else None,
     )
-    return returned_gradients(FORWARD, requested, grads)
 
 
 vocab_parallel_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
-refuse_double_backward(vocab_parallel_cross_entropy_backward)

@@ -60,4 +60,3 @@ BACKWARD = Signature(
         *_GRAD_FLAGS,
     ]
 )
-BACKWARD_RETURNS = "(Tensor, Tensor, Tensor)"  # hidden, classifier, bias gradients
