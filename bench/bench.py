@@ -154,6 +154,21 @@ def method_factories():
             lambda h, c, t: cce_compile.linear_cross_entropy(h, c, t, mode=mode)
         )
 
+    def auto_with_fast_budget(h, c, t, chunk_rows):
+        """auto under the smallest budget that admits fast mode with ``chunk_rows``-row chunks (its
+        float32 V x D buffer, the chunk, the rounded hidden): the memory/speed point between
+        lean and explicit fast (4096-row chunks)."""
+        vocab, dim = c.shape
+        rows = h.numel() // dim
+        budget = vocab * dim * 4 + chunk_rows * (vocab + dim) * 4 + rows * dim * 2
+        with cce_compile.config.override(memory_budget_mb=budget // 2**20 + 1):
+            return cce_compile.linear_cross_entropy(h, c, t)
+
+    for chunk_rows in (1024, 2048):
+        methods[f"cce_fast_budget{chunk_rows}"] = lambda n=chunk_rows: (
+            lambda h, c, t: auto_with_fast_budget(h, c, t, n)
+        )
+
     def apple(filter_eps):
         from cut_cross_entropy import linear_cross_entropy
 
