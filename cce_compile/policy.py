@@ -103,10 +103,16 @@ def fast_fits(problem: Problem, needs_classifier: bool, budget: int) -> bool:
 
 
 def fast_run_rows(problem: Problem, needs_classifier: bool, budget: int) -> int:
-    """Rows per chunk of a fast-mode run: the budget's, when it holds a chunk auto would
-    accept; else (fast asked for over the budget) the tuned FAST_CHUNK_ROWS."""
-    if fast_fits(problem, needs_classifier, budget):
-        return fast_chunk_rows(problem, needs_classifier, budget)
+    """Rows per chunk of a fast-mode run: the budget's where its fixed bytes fit the budget,
+    at least the floor auto accepts; else (fast asked for over the budget) FAST_CHUNK_ROWS.
+
+    The floor matters because auto chose on the whole call and the run sees a little less
+    budget (compaction's copy of the kept rows): a chunk a few rows under the floor must stay
+    a budget-sized chunk, not jump to FAST_CHUNK_ROWS' gigabytes."""
+    chunk = fast_chunk_rows(problem, needs_classifier, budget)
+    floor = MIN_FAST_ROWS if needs_classifier else MIN_FROZEN_FAST_ROWS
+    if chunk > 0:
+        return min(max(chunk, floor), FAST_CHUNK_ROWS, max(problem.rows, 1))
     return min(FAST_CHUNK_ROWS, max(problem.rows, 1))
 
 

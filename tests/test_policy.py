@@ -143,3 +143,15 @@ def test_a_fast_run_keeps_to_the_budget_when_auto_would_pick_fast():
     assert policy.fast_run_rows(E, True, fixed) == policy.FAST_CHUNK_ROWS
     few = Problem(rows=7, vocab=10, dim=3, logit_bytes=2)
     assert policy.fast_run_rows(few, True, 0) == 7
+
+
+@pytest.mark.parametrize("needs_classifier", [True, False], ids=["trained", "frozen"])
+def test_a_fast_run_a_little_under_the_floor_keeps_floor_sized_chunks(needs_classifier):
+    """Auto chooses on the whole call; the run's budget is a little smaller (compaction's copy
+    of the kept rows). A few rows short of the floor must give floor-sized chunks, not the
+    tuned 4096 (measured: 3.1 GiB instead of ~0.3 at E under AMP with a frozen head)."""
+    floor = policy.MIN_FAST_ROWS if needs_classifier else policy.MIN_FROZEN_FAST_ROWS
+    fixed = policy.fast_fixed_bytes(E, needs_classifier)
+    short_of_floor = fixed + (floor - 100) * ROW
+    assert policy.fast_run_rows(E, needs_classifier, short_of_floor) == floor
+    assert policy.fast_run_rows(E, needs_classifier, fixed + ROW) == floor
