@@ -229,3 +229,37 @@ def test_double_backward_is_refused_clearly():
     assert_close("first-order gradient under create_graph", grad_h, want, GRAD_RTOL[torch.float32])
     with pytest.raises(RuntimeError, match="does not support double backward"):
         grad_h.pow(2).sum().backward()
+
+
+def _retained_twice(case, mode, compiled):
+    """Gradients after two backwards through one graph (retain_graph=True), accumulated."""
+    hidden = case.hidden.clone().requires_grad_()
+    classifier = case.classifier.clone().requires_grad_()
+
+    def loss_of(h, c):
+        return _ours(case, h, c, mode=mode)
+
+    fn = torch.compile(loss_of, fullgraph=True, backend="aot_eager") if compiled else loss_of
+    # A compiled backward donates its saved buffers unless told not to: PyTorch's own error
+    # for retain_graph says to set this, for any compiled graph.
+    with torch._functorch.config.patch(donated_buffer=False):
+        loss = fn(hidden, classifier)
+        loss.backward(retain_graph=True)
+        (loss * 3.0).backward()  # a different upstream gradient the second time
+    return hidden.grad, classifier.grad
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["lean", "fast"])
+def test_a_second_backward_through_the_same_graph_gives_exact_gradients(mode, compiled):
+    """Fast mode's forward holds the gradients for a unit upstream gradient: a second backward
+    (retain_graph) must scale them again, never a buffer the first backward consumed."""
+    case = _case(**OPTIONS)
+    grad_h, grad_c = _retained_twice(case, mode, compiled)
+    hidden = case.hidden.double().requires_grad_()
+    classifier = case.classifier.double().requires_grad_()
+    want_h, want_c = torch.autograd.grad(
+        4.0 * _theirs(case, hidden, classifier), (hidden, classifier)
+    )
+    assert_close("grad hidden", grad_h, want_h.float(), GRAD_RTOL[torch.float32])
+    assert_close("grad classifier", grad_c, want_c.float(), GRAD_RTOL[torch.float32])

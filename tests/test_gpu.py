@@ -123,6 +123,22 @@ def test_float32_weights_under_autocast_are_no_less_accurate_than_eager_autocast
         assert ours <= max(theirs, GRAD_RTOL[torch.float32]), errors
 
 
+@pytest.mark.parametrize("mode", ["lean", "fast"])
+def test_a_second_backward_under_autocast_scales_the_held_gradients_again(mode):
+    """Fast mode under AMP holds float32 unit-upstream gradients from its forward: a second
+    backward through the graph (retain_graph) gives the first's gradients times its own
+    upstream, exactly (both are one rounding of the same float32 product)."""
+    hidden, classifier, targets = realistic(time=513, vocab=32003, dtype=torch.float32)
+    leaves = _leaves(hidden, classifier)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = lce(*leaves, targets, mode=mode)
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    second = torch.autograd.grad(loss * 3.0, leaves)
+    for one, three in zip(first, second):
+        assert one.dtype == torch.float32
+        assert rel(three, one * 3.0) <= GRAD_RTOL[torch.float32]
+
+
 def _synchronisations(fn) -> int:
     """How many synchronising CUDA operations ``fn`` runs (PyTorch's sync debug mode)."""
     torch.cuda.synchronize()
