@@ -50,9 +50,10 @@ def load_baseline(ref: str):
         capture_output=True,
         text=True,
     ).stdout
-    spec = importlib.util.spec_from_loader("cce_compile._torch_path_baseline", loader=None)
-    module = importlib.util.module_from_spec(spec)
+    name = "cce_compile._torch_path_at_" + "".join(c if c.isalnum() else "_" for c in ref)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
     module.__package__ = "cce_compile"
+    sys.modules[name] = module  # dataclasses look their module up
     exec(compile(source, f"{ref}:cce_compile/torch_path.py", "exec"), module.__dict__)
     return module
 
@@ -68,7 +69,9 @@ def implementation(module):
         execution.torch_path = saved
 
 
-def interleaved(methods: dict, rounds: int, warmup: int) -> dict[str, list[float]]:
+def interleaved(
+    methods: dict, rounds: int, warmup: int, clock=time.perf_counter
+) -> dict[str, list[float]]:
     """Seconds per call of each method, the methods taking turns."""
     for fn in methods.values():
         for _ in range(warmup):
@@ -76,9 +79,9 @@ def interleaved(methods: dict, rounds: int, warmup: int) -> dict[str, list[float
     times: dict[str, list[float]] = {name: [] for name in methods}
     for _ in range(rounds):
         for name, fn in methods.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return times
 
 
