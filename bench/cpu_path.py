@@ -211,6 +211,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: this process's CPU time (with --threads 1, immune to other work on the machine)",
+    )
     parser.add_argument("--ignored", type=float, default=0.1)
     parser.add_argument("--vocab", type=int, default=DEFAULTS["cpu"][0])
     parser.add_argument("--dim", type=int, default=DEFAULTS["cpu"][1])
@@ -220,6 +226,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     baseline = load_baseline(args.baseline) if args.baseline else None
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     load = os.getloadavg()
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
@@ -230,7 +237,7 @@ def main() -> None:
     sections = []
     if args.what in ("loss", "both"):
         methods, memory = loss_methods(args, baseline)
-        times = interleaved(methods, args.rounds, args.warmup)
+        times = interleaved(methods, args.rounds, args.warmup, clock)
         rows = args.batch * args.context
         sections.append(
             table(
@@ -244,13 +251,14 @@ def main() -> None:
         )
     if args.what in ("demo", "both"):
         methods, memory, tokens = demo_methods(args, baseline)
-        times = interleaved(methods, args.rounds, args.warmup)
+        times = interleaved(methods, args.rounds, args.warmup, clock)
         sections.append(
             table("Demo training step (GPT, CPU defaults)", times, memory, "torch.compile", tokens)
         )
     header = (
         f"torch {torch.__version__}, {cpu}, {torch.get_num_threads()} threads, "
-        f"{os.cpu_count()} CPUs; {args.rounds} interleaved rounds after {args.warmup} warm-up; "
+        f"{os.cpu_count()} CPUs, {args.clock} clock; "
+        f"{args.rounds} interleaved rounds after {args.warmup} warm-up; "
         f"load average {load[0]:.1f} before, {os.getloadavg()[0]:.1f} after"
     )
     text = header + "\n\n" + "\n\n".join(sections) + "\n"
