@@ -1,7 +1,7 @@
 """Side-by-side benchmark of linear + cross-entropy implementations on one GPU.
 
-For each shape (N tokens x D hidden x V classes, bf16, 10% ignored targets) and each method it
-records, in one run on one GPU:
+For each scenario (``Scenario``: bf16 or AMP, the share of ignored targets, a frozen classifier)
+and each shape (N tokens x D hidden x V classes) and method it records, in one run on one GPU:
 
 * forward+backward and forward-only (under no_grad) time: median of CUDA-event timings over
   ``--reps`` repetitions after warm-up;
@@ -10,20 +10,24 @@ records, in one run on one GPU:
 * relative gradient error ||g - g_ref|| / ||g_ref|| of d hidden and d classifier against a
   float32 reference (float32 inputs, materialised float32 logits, IEEE float32 matmuls).
 
-The floor is the bare ``hidden @ classifier.T`` matmul: 3 x its time for forward+backward.
+The floor is the bare ``hidden @ classifier.T`` matmul: 3 x its time for forward+backward (2 x
+with a frozen classifier).
 Writes ``results.json`` (with GPU, torch, triton versions), ``results.md`` and one PNG per shape
 (time against memory) into ``--out``.
 
     python bench/bench.py --out bench/results            # every shape and method
-    python bench/bench.py --shapes C --methods cce_lean,compile --reps 5
+    python bench/bench.py --shapes C --methods cce_lean,torch_compile --reps 5
+    python bench/bench.py --shapes E --scenarios bf16-ign50,amp-ign50,bf16-frozen,prompt50
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
+import math
 import pathlib
 import statistics
 import sys
@@ -32,7 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))  # PYTHONPATH first
 
 SHAPES = {  # name: (N, D, V)
     "A": (8192, 2304, 256000),
@@ -43,39 +47,73 @@ SHAPES = {  # name: (N, D, V)
     "H": (16384, 768, 131072),  # GPT-2 small's width
     "I": (16384, 1024, 131072),  # where the small-tile rule (D <= 2048) was checked
 }
-IGNORED_FRACTION = 0.1
 GiB = 2**30
+SEQUENCE = 2048  # tokens per sequence for prompt-style masking
 
 
-# Scenarios: what the inputs look like.
-#   bf16    bf16 hidden and classifier, random (a flat softmax)
-#   amp     float32 hidden and classifier under bf16 autocast (mixed-precision training)
-#   peaked  bf16, each hidden state aligned with its target's classifier row so that the
-#           target holds ~97% of the softmax mass, as in a trained model (issue 15)
-SCENARIOS = ("bf16", "amp", "peaked")
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """What the inputs look like; named like ``amp-frozen-ign50`` (tokens joined by '-'):
+
+    ``bf16`` / ``amp``  bf16 hidden and classifier, or float32 ones under bf16 autocast
+    ``frozen``          the classifier needs no gradient (LoRA, PEFT)
+    ``ignNN``           NN% of the targets are ignore_index, at random rows (default 10)
+    ``promptNN``        the first NN% of every 2048-token sequence is ignored (SFT prompts)
+    ``peaked``          each hidden state aligned with its target's classifier row, so that
+                        the target holds ~97% of the softmax mass, as in a trained model
+    """
+
+    name: str
+    amp: bool = False
+    frozen: bool = False
+    ignored: float = 0.1
+    prompt: bool = False
+    peaked: bool = False
+
+    @staticmethod
+    def parse(name: str) -> Scenario:
+        fields: dict = {}
+        for token in name.split("-"):
+            if token in ("bf16", "amp"):
+                fields["amp"] = token == "amp"
+            elif token in ("frozen", "peaked"):
+                fields[token] = True
+            elif token.startswith(("ign", "prompt")):
+                prefix = "ign" if token.startswith("ign") else "prompt"
+                fields["ignored"] = int(token[len(prefix) :]) / 100
+                fields["prompt"] = prefix == "prompt"
+            else:
+                raise ValueError(f"unknown scenario token {token!r} in {name!r}")
+        return Scenario(name, **fields)
+
+
 PEAKED_TARGET_MASS = 0.97
 
 
-def make_inputs(n, d, v, seed=0, scenario="bf16"):
+def make_inputs(n, d, v, scenario: Scenario, seed=0):
+    """hidden ~ N(0, 1), classifier ~ N(0, 1) / sqrt(D), targets uniform, some ignored."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     hidden = torch.randn(n, d, device="cuda", generator=gen)
-    classifier = torch.randn(v, d, device="cuda", generator=gen) * 0.02
+    classifier = torch.randn(v, d, device="cuda", generator=gen) / d**0.5
     targets = torch.randint(0, v, (n,), device="cuda", generator=gen)
-    if scenario == "peaked":
-        # target logit ~ s |C_t|^2 = s * 0.0004 D; others ~ 0: mass q needs a margin of
-        # log(q / (1 - q) * V), so s = margin / (0.0004 D); the random part adds a small spread.
-        margin = torch.log(torch.tensor(PEAKED_TARGET_MASS / (1 - PEAKED_TARGET_MASS) * v))
-        scale = margin.item() / (0.0004 * d)
-        hidden = scale * classifier[targets] + 0.1 * hidden
-    ignored = torch.rand(n, device="cuda", generator=gen) < IGNORED_FRACTION
+    if scenario.peaked:
+        # target logit ~ s |C_t|^2 = s; others ~ N(0, 1): mass q needs a margin of
+        # log(q / (1 - q) * V) above the lse of the rest.
+        margin = math.log(PEAKED_TARGET_MASS / (1 - PEAKED_TARGET_MASS) * v)
+        hidden = margin * classifier[targets] + 0.1 * hidden
+    if scenario.prompt:
+        position = torch.arange(n, device="cuda") % SEQUENCE
+        ignored = position < int(scenario.ignored * SEQUENCE)
+    else:
+        ignored = torch.rand(n, device="cuda", generator=gen) < scenario.ignored
     targets = torch.where(ignored, torch.full_like(targets, -100), targets)
-    dtype = torch.float32 if scenario == "amp" else torch.bfloat16
+    dtype = torch.float32 if scenario.amp else torch.bfloat16
     return hidden.to(dtype), classifier.to(dtype), targets
 
 
-def under_scenario(fn, scenario):
-    """``fn`` as the scenario runs it: under bf16 autocast for 'amp'."""
-    if scenario != "amp":
+def under_scenario(fn, scenario: Scenario):
+    """``fn`` as the scenario runs it: under bf16 autocast for AMP."""
+    if not scenario.amp:
         return fn
 
     def autocast_fn(h, c, t):
@@ -90,10 +128,10 @@ def eager_loss(hidden, classifier, targets):
     return F.cross_entropy(logits.float(), targets, ignore_index=-100)
 
 
-def amp_reference_inputs(hidden, classifier, scenario):
+def amp_reference_inputs(hidden, classifier, scenario: Scenario):
     """What the reference sees: under AMP the head's inputs rounded to bf16, as autocast
     rounds them (the float32 math after that is the ideal)."""
-    if scenario == "amp":
+    if scenario.amp:
         return hidden.bfloat16(), classifier.bfloat16()
     return hidden, classifier
 
@@ -133,6 +171,38 @@ def method_factories():
         return lambda h, c, t: loss_fn(c, h, t)
 
     methods["liger"] = liger
+
+    def trl_fused_head():
+        # As SFTTrainer calls it (trl.trainer.utils.add_fused_lm_head, TRL 1.16): the valid
+        # positions only, its chunk size, the outputs its metrics log; the loss is its mean.
+        from trl.kernels import ChunkedLogProbFunction
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+        def loss_fn(h, c, t):
+            mask = t != -100
+            log_probs, *_ = ChunkedLogProbFunction.apply(
+                h[mask],
+                c,
+                None,
+                t[mask],
+                1.0,
+                _CHUNKED_LOGPROB_CHUNK_SIZE,
+                None,
+                1.0,
+                ("log_probs", "entropy", "is_top1"),
+            )
+            return -log_probs.sum() / mask.sum().clamp(min=1)
+
+        return loss_fn
+
+    methods["trl_fused_head"] = trl_fused_head
+
+    def quack():
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy
+
+        return lambda h, c, t: chunked_linear_cross_entropy(h, c, t)
+
+    methods["quack"] = quack
     if hasattr(F, "linear_cross_entropy"):
         methods["torch_linear_cross_entropy"] = lambda: (
             lambda h, c, t: F.linear_cross_entropy(h, c, t)
@@ -186,14 +256,15 @@ def reference_grads(hidden, classifier, targets):
         torch.backends.cuda.matmul.allow_tf32 = prev
 
 
-def bench_method(fn, hidden, classifier, targets, reps, warmup, ref):
+def bench_method(fn, hidden, classifier, targets, reps, warmup, ref, frozen=False):
     h = hidden.detach().clone().requires_grad_()
-    c = classifier.detach().clone().requires_grad_()
-    grad_bytes = h.numel() * h.element_size() + c.numel() * c.element_size()
+    c = classifier.detach().clone().requires_grad_(not frozen)
+    trained = [t for t in (h, c) if t.requires_grad]
+    grad_bytes = sum(t.numel() * t.element_size() for t in trained)
 
     def step():
-        h.grad = None
-        c.grad = None
+        for t in trained:
+            t.grad = None
         fn(h, c, targets).backward()
 
     def forward_only():
@@ -201,7 +272,8 @@ def bench_method(fn, hidden, classifier, targets, reps, warmup, ref):
             fn(h, c, targets)
 
     step()  # compile / autotune outside the measurements
-    h.grad = c.grad = None
+    for t in trained:
+        t.grad = None
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -215,7 +287,7 @@ def bench_method(fn, hidden, classifier, targets, reps, warmup, ref):
         "loss": loss.item(),
         "loss_err": abs(loss.item() - ref[0]) / abs(ref[0]),
         "grad_hidden_err": rel_err(h.grad, ref[1]),
-        "grad_classifier_err": rel_err(c.grad, ref[2]),
+        "grad_classifier_err": None if frozen else rel_err(c.grad, ref[2]),
         "extra_memory_gb": extra / GiB,
     }
     result["fwd_bwd_ms"], result["fwd_bwd_all_ms"] = cuda_time_ms(step, reps, warmup)
@@ -229,13 +301,14 @@ def bf16_matmul_ms(hidden, classifier, reps, warmup) -> float:
     return cuda_time_ms(lambda: h @ c.T, reps, warmup)[0]
 
 
-def bench_shape(name, methods, reps, warmup, scenario="bf16"):
+def bench_shape(name, methods, reps, warmup, scenario: Scenario):
     n, d, v = SHAPES[name]
-    hidden, classifier, targets = make_inputs(n, d, v, scenario=scenario)
-    out = {"shape": name, "scenario": scenario, "N": n, "D": d, "V": v, "methods": {}}
+    hidden, classifier, targets = make_inputs(n, d, v, scenario)
+    out = {"shape": name, "scenario": scenario.name, "N": n, "D": d, "V": v, "methods": {}}
+    out["ignored_rows"] = int((targets == -100).sum())
     matmul_ms = bf16_matmul_ms(hidden, classifier, reps, warmup)
     out["matmul_ms"] = matmul_ms
-    out["floor_fwd_bwd_ms"] = 3 * matmul_ms
+    out["floor_fwd_bwd_ms"] = (2 if scenario.frozen else 3) * matmul_ms
     out["matmul_tflops"] = 2 * n * d * v / matmul_ms / 1e9
     ref = reference_grads(*amp_reference_inputs(hidden, classifier, scenario), targets)
     gc.collect()
@@ -249,13 +322,13 @@ def bench_shape(name, methods, reps, warmup, scenario="bf16"):
         try:
             fn = under_scenario(factory(), scenario)
             out["methods"][method] = bench_method(
-                fn, hidden, classifier, targets, reps, warmup, ref
+                fn, hidden, classifier, targets, reps, warmup, ref, frozen=scenario.frozen
             )
         except Exception as exc:  # a peer failing must not stop the run
             out["methods"][method] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         gc.collect()
         torch.cuda.empty_cache()
-        print(f"[{name}/{scenario}] {method}: {out['methods'][method]}", flush=True)
+        print(f"[{name}/{scenario.name}] {method}: {out['methods'][method]}", flush=True)
     return out
 
 
@@ -270,7 +343,7 @@ def environment():
         "gpu_memory_gb": props.total_memory / GiB,
         "cuda": torch.version.cuda,
     }
-    for peer in ("cut_cross_entropy", "liger_kernel"):
+    for peer in ("cut_cross_entropy", "liger_kernel", "trl", "quack_kernels"):
         with contextlib.suppress(Exception):
             from importlib.metadata import version
 
@@ -283,10 +356,13 @@ def markdown(results):
     lines = [
         f"GPU: {env['gpu']} · torch {env['torch']} · triton {env['triton']} · "
         f"CUDA {env['cuda']} · cut-cross-entropy {env.get('cut_cross_entropy', '-')} · "
-        f"liger-kernel {env.get('liger_kernel', '-')}",
+        f"liger-kernel {env.get('liger_kernel', '-')} · trl {env.get('trl', '-')} · "
+        f"quack-kernels {env.get('quack_kernels', '-')}",
         "",
         "Times are medians (ms) of CUDA-event timings; extra memory is the peak above inputs "
-        "and gradients (GiB); errors are ||g - g_fp32|| / ||g_fp32||. Floor = 3 x matmul.",
+        "and gradients (GiB); errors are ||g - g_fp32|| / ||g_fp32||. Floor = 3 x matmul "
+        "(2 with a frozen classifier). Inputs: hidden ~ N(0, 1), classifier ~ N(0, 1)/sqrt(D), "
+        "uniform targets; the scenario names the dtype, the ignored share and the frozen head.",
         "",
     ]
     for shape in results["shapes"]:
@@ -295,7 +371,8 @@ def markdown(results):
         compile_mem = shape["methods"].get("torch_compile", {}).get("extra_memory_gb")
         lines += [
             f"### {shape['shape']} ({shape.get('scenario', 'bf16')}): "
-            f"N={shape['N']} D={shape['D']} V={shape['V']} "
+            f"N={shape['N']} D={shape['D']} V={shape['V']}, "
+            f"{shape.get('ignored_rows', '?')} rows ignored "
             f"(matmul {shape['matmul_ms']:.2f} ms = {shape['matmul_tflops']:.0f} TFLOP/s, "
             f"floor {floor:.1f} ms)",
             "",
@@ -309,11 +386,12 @@ def markdown(results):
                 continue
             xc = f"{r['fwd_bwd_ms'] / compile_ms:.2f}" if compile_ms else "-"
             xm = f"{r['extra_memory_gb'] / compile_mem:.3f}" if compile_mem else "-"
+            dc = r["grad_classifier_err"]
             lines.append(
                 f"| {method} | {r['fwd_bwd_ms']:.2f} | {r['fwd_bwd_ms'] / floor:.2f} | {xc} | "
                 f"{r['fwd_ms']:.2f} | {r['fwd_ms'] / shape['matmul_ms']:.2f} | "
                 f"{r['extra_memory_gb']:.3f} | {xm} | {r['loss_err']:.1e} | "
-                f"{r['grad_hidden_err']:.2e} | {r['grad_classifier_err']:.2e} |"
+                f"{r['grad_hidden_err']:.2e} | {'-' if dc is None else f'{dc:.2e}'} |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -358,7 +436,9 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--scenarios", default="bf16", help=f"comma list of {', '.join(SCENARIOS)}")
+    parser.add_argument(
+        "--scenarios", default="bf16", help="comma list of scenario names (see Scenario)"
+    )
     args = parser.parse_args(argv)
     methods = args.methods.split(",") if args.methods else list(method_factories())
     out_dir = pathlib.Path(args.out)
@@ -367,16 +447,15 @@ def main(argv=None):
         "environment": environment(),
         "reps": args.reps,
         "warmup": args.warmup,
-        "ignored_fraction": IGNORED_FRACTION,
         "date": time.strftime("%Y-%m-%d"),
         "shapes": [],
     }
-    for scenario in args.scenarios.split(","):
+    for scenario in map(Scenario.parse, args.scenarios.split(",")):
         for name in args.shapes.split(","):
             shape = bench_shape(name, methods, args.reps, args.warmup, scenario)
             results["shapes"].append(shape)
             (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
-            plot(shape, out_dir / f"shape_{name}_{scenario}.png")
+            plot(shape, out_dir / f"shape_{name}_{scenario.name}.png")
     table = markdown(results)
     (out_dir / "results.md").write_text(table + "\n")
     print(table)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import cce_compile  # noqa: E402
-from bench import SHAPES, cuda_time_ms, make_inputs  # noqa: E402
+from bench import SHAPES, Scenario, cuda_time_ms, make_inputs  # noqa: E402
 from cce_compile import config, policy, triton_path  # noqa: E402
 from cce_compile.kernels.common import TileConfig  # noqa: E402
 
@@ -45,7 +45,7 @@ CANDIDATES = [
 
 def tune_shape(name, reps, candidates=CANDIDATES, sweeps=True):
     n, d, v = SHAPES[name]
-    hidden, classifier, targets = make_inputs(n, d, v)
+    hidden, classifier, targets = make_inputs(n, d, v, Scenario.parse("bf16"))
     h = hidden.clone().requires_grad_()
     c = classifier.clone().requires_grad_()
     matmul, _ = cuda_time_ms(lambda: hidden @ classifier.T, reps, 2)

@@ -60,13 +60,16 @@ class Settings:
     grad_filter: float | None = _rewrite("CCE_GRAD_FILTER", None)
     """CCE_GRAD_FILTER: gradient filtering's beta for the sites the pass rewrites (lean mode;
     filtering.py states the bound); unset: exact gradients."""
+    skip_ignored: bool = _rewrite("CCE_SKIP_IGNORED", True)
+    """CCE_SKIP_IGNORED: compact away the rows whose target is ignore_index before any GEMM
+    (one host sync per forward to learn their count; never during CUDA-graph capture)."""
     check_targets: bool = _setting("CCE_CHECK_TARGETS", False)
     """CCE_CHECK_TARGETS: on GPU, raise on targets outside [0, V) (costs a host sync)."""
     disable: bool = _rewrite("CCE_DISABLE", False)
     """CCE_DISABLE: the graph pass rewrites nothing (sites are still reported)."""
 
     def __post_init__(self) -> None:
-        for name in ("auto_enable", "check_targets", "disable"):
+        for name in ("auto_enable", "skip_ignored", "check_targets", "disable"):
             if not isinstance(getattr(self, name), bool):
                 raise SettingsError(
                     f"{_env(name)}={getattr(self, name)!r} is not a bool (setting {name!r}: "

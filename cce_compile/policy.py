@@ -11,17 +11,23 @@ gradients it returns):
   (N x w gradient, plus w x D rounded classifier under AMP), ``w`` as large as the budget
   allows and at least ``MIN_SLAB_COLUMNS`` (so at V < 16 D, where the accumulator alone is
   over 1/8 of the logits, lean takes more than the budget).
-* fast: a float32 classifier-gradient buffer (V x D x 4), the rounded classifier and hidden
-  (AMP), and chunks of ``n`` rows of float32 logits (n x V x 4; the bf16 gradient is written
-  over them), ``n`` at most ``FAST_CHUNK_ROWS`` and as large as the budget allows.
+* fast: a float32 classifier-gradient buffer (V x D x 4) where the classifier needs a
+  gradient, the rounded hidden (AMP; the rounded classifier is autocast's own copy, not
+  counted: ``fast_fixed_bytes``), and chunks of ``n`` rows of float32
+  logits (n x V x 4; the bf16 gradient is written over them) with their float32 hidden
+  gradient (n x D x 4), ``n`` at most ``FAST_CHUNK_ROWS`` and as large as the budget allows.
 * auto: fast when it is valid (scalar loss, gradients wanted, no gradient of the returned lse)
-  and a chunk of at least ``MIN_FAST_ROWS`` rows (or all rows) fits; else lean.
+  and a chunk of at least ``MIN_FAST_ROWS`` rows (``MIN_FROZEN_FAST_ROWS`` without a
+  classifier gradient), or all rows, fits; else lean.
 * CPU path: chunks of rows of float32 temporaries (3 x V x 4 bytes per row) within the budget.
 
 Why ``MIN_FAST_ROWS``: each fast chunk re-reads and re-writes the float32 classifier-gradient
 buffer (8 V D bytes) against 6 n V D FLOPs of GEMMs; at ~700 TFLOP/s and ~4 TB/s that is about
 230 / n of the chunk's time, while lean's fourth GEMM costs a third: below ~700 rows fast is
-the slower mode.
+the slower mode. Without a classifier gradient (a frozen head: LoRA, PEFT) there is no such
+buffer: a chunk's two GEMMs re-read the classifier (4 V D bytes against 4 n V D FLOPs, n FLOP
+per byte), which an H100-class GPU (~300 FLOP per byte from HBM, less from L2) sustains from a
+few hundred rows on, while lean pays a third GEMM: ``MIN_FROZEN_FAST_ROWS``.
 """
 
 from __future__ import annotations
@@ -36,14 +42,20 @@ log = logging.getLogger("cce_compile")
 FAST_CHUNK_ROWS = 4096
 # The fewest rows per fast-mode chunk for auto to prefer fast over lean (module docstring).
 MIN_FAST_ROWS = 1024
+# The same without a classifier gradient: no V x D buffer to re-read (module docstring).
+MIN_FROZEN_FAST_ROWS = 256
 # The fewest classes per lean backward slab (see lean_slab_columns): the accumulator's
 # traffic is ~8 N D V / w bytes against 6 N V D FLOPs, ~13% of the GEMMs' time at 2048 on an
 # H100-class GPU (~200 FLOP per byte), ~3% at 8192.
 MIN_SLAB_COLUMNS = 2048
+# The least work per lean backward slab, in multiply-adds of one of its three GEMMs (N x w x
+# D): ~0.3 ms of GEMMs on an H100-class GPU, about what the host takes to launch a slab (a
+# Triton kernel and two cuBLAS calls). Below it the backward waits on the host: shape C
+# (4096 x 2048 x 32000) took 16 slabs of 2048 classes at 2x its GPU time.
+MIN_SLAB_MACS = 2**35
 # The smallest budget: tiny problems (tests, the CPU demo's first steps) still get chunks of
 # useful size.
 MIN_BUDGET = 1 << 20
-DEFAULT_FRACTION = 0.125
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,38 +77,52 @@ def budget_bytes(problem: Problem, budget_mb: int | None, fraction: float) -> in
 
 
 def fast_fixed_bytes(problem: Problem, needs_classifier: bool) -> int:
-    """Fast mode's memory besides its chunk: classifier-gradient buffer, rounded copies."""
+    """Fast mode's memory besides its chunk: the classifier-gradient buffer and, under AMP,
+    the rounded hidden. The classifier's rounded copy (V x D, held through the forward only)
+    is not counted: it is the copy autocast makes for ``F.linear`` anyway, which torch.compile
+    holds too (with the logits), so it adds nothing over what the loss replaces."""
     fixed = problem.vocab * problem.dim * 4 if needs_classifier else 0
     if problem.rounds_inputs:
-        fixed += (problem.vocab + problem.rows) * problem.dim * problem.logit_bytes
+        fixed += problem.rows * problem.dim * problem.logit_bytes
     return fixed
 
 
 def fast_chunk_rows(problem: Problem, needs_classifier: bool, budget: int) -> int:
-    """Rows per fast-mode chunk within the budget (0 if not even one row fits)."""
+    """Rows per fast-mode chunk within the budget (0 if not even one row fits): each row
+    holds its float32 logits and its float32 hidden gradient."""
     left = budget - fast_fixed_bytes(problem, needs_classifier)
-    return max(0, min(FAST_CHUNK_ROWS, problem.rows, left // (problem.vocab * 4)))
+    per_row = (problem.vocab + problem.dim) * 4
+    return max(0, min(FAST_CHUNK_ROWS, problem.rows, left // per_row))
+
+
+def fast_fits(problem: Problem, needs_classifier: bool, budget: int) -> bool:
+    """Does a fast-mode chunk that auto would accept fit the budget (module docstring)?"""
+    chunk = fast_chunk_rows(problem, needs_classifier, budget)
+    floor = MIN_FAST_ROWS if needs_classifier else MIN_FROZEN_FAST_ROWS
+    return chunk > 0 and chunk >= min(floor, problem.rows)
 
 
 def fast_run_rows(problem: Problem, needs_classifier: bool, budget: int) -> int:
     """Rows per chunk of a fast-mode run: the budget's, when it holds a chunk auto would
     accept; else (fast asked for over the budget) the tuned FAST_CHUNK_ROWS."""
-    chunk = fast_chunk_rows(problem, needs_classifier, budget)
-    if chunk > 0 and chunk >= min(MIN_FAST_ROWS, problem.rows):
-        return chunk
+    if fast_fits(problem, needs_classifier, budget):
+        return fast_chunk_rows(problem, needs_classifier, budget)
     return min(FAST_CHUNK_ROWS, max(problem.rows, 1))
 
 
 def lean_slab_columns(problem: Problem, needs_hidden: bool, budget: int) -> int:
     """Classes per lean backward slab within the budget (before rounding to whole tiles), at
     least ``MIN_SLAB_COLUMNS``: every slab re-reads and re-writes the float32 d-hidden
-    accumulator (8 N D bytes), which at fewer classes costs more than the budget saves."""
+    accumulator (8 N D bytes), which at fewer classes costs more than the budget saves; and
+    at least ``MIN_SLAB_MACS`` of work, or the host's launches outlast the GPU's work (small
+    problems exceed the budget for both reasons)."""
     fixed = problem.rows * problem.dim * 4 if needs_hidden else 0
     per_class = problem.rows * problem.logit_bytes
     if problem.rounds_inputs:
         fixed += problem.rows * problem.dim * problem.logit_bytes
         per_class += problem.dim * problem.logit_bytes
-    return max(MIN_SLAB_COLUMNS, (budget - fixed) // max(1, per_class))
+    launch_floor = -(-MIN_SLAB_MACS // max(1, problem.rows * problem.dim))
+    return max(MIN_SLAB_COLUMNS, launch_floor, (budget - fixed) // max(1, per_class))
 
 
 def forward_slab_columns(problem: Problem, budget: int) -> int:
@@ -138,5 +164,4 @@ def choose_mode(
         return requested
     if not needs_grad or reduction == "none" or lse_has_grad:
         return "lean"
-    chunk = fast_chunk_rows(problem, needs_classifier, budget)
-    return "fast" if chunk >= min(MIN_FAST_ROWS, problem.rows) and chunk > 0 else "lean"
+    return "fast" if fast_fits(problem, needs_classifier, budget) else "lean"

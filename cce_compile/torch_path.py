@@ -133,6 +133,49 @@ def _tile_lse_(z: torch.Tensor) -> torch.Tensor:
     return _exp_(z.sub_(top[:, None])).sum(dim=-1).log_().add_(top)
 
 
+class _Extras:
+    """Each row's mean logit under its softmax and first largest logit's class, when asked
+    (the op's entropy and argmax outputs), combined over a row's slabs of classes: each slab
+    gives the mean under its own softmax, weighted by its share exp(lse_slab - lse) of the
+    row's, and its first largest logit, which a later slab replaces only if larger."""
+
+    def __init__(self, n_rows: int, device: torch.device, mean_z: bool, argmax: bool):
+        def empty(wanted, dtype=torch.float32):
+            return torch.empty(n_rows, dtype=dtype, device=device) if wanted else None
+
+        self.mean_z, self.lse = empty(mean_z), empty(mean_z)  # lse: of the slabs so far
+        self.argmax, self.top = empty(argmax, torch.int64), empty(argmax)
+
+    def add(self, z: torch.Tensor, rows: tuple[int, int], col_start: int) -> None:
+        """One tile's logits, left intact (``col_start`` 0: its row block's first slab)."""
+        r0, r1 = rows
+        if self.mean_z is not None:
+            self._add_mean(z, self.mean_z[r0:r1], self.lse[r0:r1], first=col_start == 0)
+        if self.argmax is not None:
+            top, index = z.max(dim=-1)  # the first of tied largest logits, as argmax
+            if col_start == 0:
+                self.top[r0:r1], self.argmax[r0:r1] = top, index
+            else:
+                larger = top > self.top[r0:r1]
+                torch.where(larger, top, self.top[r0:r1], out=self.top[r0:r1])
+                torch.where(larger, index + col_start, self.argmax[r0:r1], out=self.argmax[r0:r1])
+
+    @staticmethod
+    def _add_mean(z, mean_z, lse, first: bool) -> None:
+        top = _row_max(z)
+        p = _exp_(z - top[:, None])  # unnormalised
+        total = p.sum(dim=-1)
+        mean = torch.linalg.vecdot(p, z).div_(total)
+        slab_lse = total.log_().add_(top)
+        if first:
+            mean_z.copy_(mean)
+            lse.copy_(slab_lse)
+            return
+        new_lse = torch.logaddexp(lse, slab_lse)
+        mean_z.mul_((lse - new_lse).exp_()).add_(mean.mul_((slab_lse - new_lse).exp_()))
+        lse.copy_(new_lse)
+
+
 def _logits(h32, c32, b32, logit_scale, softcap) -> torch.Tensor:
     """z = softcap(logit_scale * (h @ c.T + b)), float32; scale and cap are numbers, or 0-d
     tensors (the differentiable path)."""
@@ -328,9 +371,12 @@ def logit_stats(
     budget_bytes: int,
     compute_dtype: torch.dtype | None = None,
     block_lse: bool = False,
+    mean_z: bool = False,
+    argmax: bool = False,
 ) -> RowStats:
     """Per-row lse, target logit and weighted sum over the given classes (every row), and
-    with ``block_lse`` the lse of each block of classes (filtering.py)."""
+    with ``block_lse`` the lse of each block of classes (filtering.py), with ``mean_z`` /
+    ``argmax`` each row's mean logit under its softmax / first largest logit's class."""
     vocab = classifier.shape[0]
     c32, b32, w32 = _operands(classifier, bias, class_weights, compute_dtype)
     columns = _ClassTargets.of(targets, spec, col_start, vocab)
@@ -344,6 +390,7 @@ def logit_stats(
     blocks = None
     if block_lse:
         blocks = torch.empty((filtering.block_count(vocab), n_rows), device=device)
+    extras = _Extras(n_rows, device, mean_z, argmax)
     tiles = _Tiles.of(n_rows, vocab, budget_bytes)
     buffer = tiles.buffer(n_rows, device)
     for r0, r1 in _ranges(n_rows, tiles.rows):
@@ -361,11 +408,12 @@ def logit_stats(
                 b0 = c0 // filtering.FILTER_BLOCK
                 part = filtering.block_lse_of_logits(z).t()
                 blocks[b0 : b0 + part.shape[0], r0:r1] = part
+            extras.add(z, (r0, r1), c0)
             if c0 == 0:
                 lse[r0:r1] = _tile_lse_(z)
             else:
                 torch.logaddexp(lse[r0:r1], _tile_lse_(z), out=lse[r0:r1])
-    return RowStats(lse, target_logit, wsum, blocks)
+    return RowStats(lse, target_logit, wsum, blocks, extras.mean_z, extras.argmax)
 
 
 def fast_forward(
@@ -380,9 +428,11 @@ def fast_forward(
     needs: Needs,
     budget_bytes: int,
     compute_dtype: torch.dtype | None = None,
+    entropy: bool = False,
+    argmax: bool = False,
 ) -> ForwardOut:
     """Fast mode: loss, lse and the gradients for a unit upstream gradient from the same
-    chunks of logits (three GEMMs)."""
+    chunks of logits (three GEMMs), and each row's entropy and argmax where asked."""
     vocab = classifier.shape[0]
     c32, b32, w32 = _operands(classifier, bias, class_weights, compute_dtype)
     columns = _ClassTargets.of(targets, spec, 0, vocab)
@@ -394,6 +444,7 @@ def fast_forward(
     target_logit = torch.empty_like(lse)
     wsum = torch.empty_like(lse) if spec.needs_wsum else None
     acc = _Accumulators(hidden, classifier, bias, needs, rows_io)
+    extras = _Extras(n_rows, device, entropy, argmax)
     unit = torch.ones((), device=device)
     chunk = cpu_chunk_rows(vocab, budget_bytes)
     buffer = torch.empty(min(n_rows, chunk) * vocab, device=device)
@@ -406,6 +457,7 @@ def fast_forward(
         )
         if wsum is not None:
             wsum[r0:r1] = z @ w32 if w32 is not None else z.sum(-1)
+        extras.add(z, (r0, r1), 0)
         tanh_out = None if tanh_buffer is None else _view(tanh_buffer, r1 - r0, vocab)
         tanh_grad = _tanh_grad(z, spec, tanh_out)
         # One exponential per logit for both the lse and the gradient: exp(z - top) / total.
@@ -420,6 +472,8 @@ def fast_forward(
         acc.add(grad, (r0, r1), (0, vocab), h32[r0:r1], c32)
     out = ForwardOut(finish_loss(lse, target_logit, wsum, rows, spec, vocab), lse)
     out.grad_hidden, out.grad_classifier, out.grad_bias = acc.result()
+    out.entropy = None if extras.mean_z is None else lse - extras.mean_z
+    out.argmax = extras.argmax
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -122,19 +123,39 @@ def test_float32_weights_under_autocast_are_no_less_accurate_than_eager_autocast
         assert ours <= max(theirs, GRAD_RTOL[torch.float32]), errors
 
 
+def _synchronisations(fn) -> int:
+    """How many synchronising CUDA operations ``fn`` runs (PyTorch's sync debug mode)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
 @pytest.mark.parametrize("mode", ["lean", "fast"])
 def test_no_host_synchronisation(mode):
+    """Without skipping ignored rows the op never synchronises; with it (the default) the
+    forward synchronises once to count the rows, and the backward never."""
     hidden, classifier, targets = realistic(time=512, vocab=32003)
     hidden.requires_grad_()
     classifier.requires_grad_()
     lce(hidden, classifier, targets, mode=mode).backward()  # warm up: compile the kernels
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        loss = lce(hidden, classifier, targets, mode=mode, label_smoothing=0.1, z_loss=1e-4)
-        loss.backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    options = dict(mode=mode, label_smoothing=0.1, z_loss=1e-4)
+    with cce_compile.config.override(skip_ignored=False):
+        loss = None
+
+        def forward():
+            nonlocal loss
+            loss = lce(hidden, classifier, targets, **options)
+
+        assert _synchronisations(forward) == 0
+        assert _synchronisations(loss.backward) == 0
+    assert _synchronisations(forward) == 1
+    assert _synchronisations(loss.backward) == 0
 
 
 def test_out_of_range_target_gives_nan_not_a_number():

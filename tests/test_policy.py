@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from cce_compile import policy
-from cce_compile.policy import MIN_FAST_ROWS, Problem, choose_mode
+from cce_compile.policy import MIN_FAST_ROWS, MIN_FROZEN_FAST_ROWS, Problem, choose_mode
 
 # Shape E of bench/: 8192 tokens, D 4096, V 128256, bf16.
 E = Problem(rows=8192, vocab=128256, dim=4096, logit_bytes=2)
 BIG = 10**13
+ROW = (E.vocab + E.dim) * 4  # a fast chunk's bytes per row: float32 logits and d hidden
 
 
 def choose(requested="auto", problem=E, budget=BIG, **overrides):
@@ -43,7 +44,7 @@ def test_default_budget_takes_lean_where_fasts_buffer_alone_is_over_it():
         dict(reduction="none"),
         dict(needs_grad=False),
         dict(lse_has_grad=True),
-        dict(budget=policy.fast_fixed_bytes(E, True) + (MIN_FAST_ROWS - 1) * E.vocab * 4),
+        dict(budget=policy.fast_fixed_bytes(E, True) + (MIN_FAST_ROWS - 1) * ROW),
     ],
     ids=["none", "no-grad", "lse-grad", "chunk-under-min-rows"],
 )
@@ -53,13 +54,33 @@ def test_auto_takes_lean(override):
 
 def test_a_small_problem_takes_fast_when_all_its_rows_fit():
     small = Problem(rows=100, vocab=1000, dim=64, logit_bytes=2)
-    assert choose(problem=small, budget=policy.fast_fixed_bytes(small, True) + 100 * 4000) == "fast"
+    budget = policy.fast_fixed_bytes(small, True) + 100 * (1000 + 64) * 4
+    assert choose(problem=small, budget=budget) == "fast"
 
 
-def test_without_classifier_gradient_fast_needs_no_buffer():
+def test_a_frozen_classifier_takes_fast_with_budget_sized_chunks():
+    """No classifier gradient (LoRA): no V x D buffer, and chunks of a few hundred rows are
+    still faster than lean's third GEMM, so the default budget picks fast (shapes E and B)."""
     assert policy.fast_fixed_bytes(E, False) == 0
-    budget = MIN_FAST_ROWS * E.vocab * 4
-    assert choose(needs_classifier=False, budget=budget) == "fast"
+    for problem in (E, Problem(rows=16384, vocab=128256, dim=4096, logit_bytes=2)):
+        budget = policy.budget_bytes(problem, None, 0.125)
+        assert choose(problem=problem, needs_classifier=False, budget=budget) == "fast"
+        rows = policy.fast_run_rows(problem, False, budget)
+        assert MIN_FROZEN_FAST_ROWS <= rows and rows * (problem.vocab + problem.dim) * 4 <= budget
+    under_floor = (MIN_FROZEN_FAST_ROWS - 1) * ROW
+    assert choose(needs_classifier=False, budget=under_floor) == "lean"
+
+
+def test_a_frozen_classifier_under_autocast_takes_fast_beside_autocasts_own_copy():
+    """AMP rounds the float32 classifier: that V x D copy is the one autocast makes for
+    F.linear, which torch.compile holds too, so it is not counted, and a frozen head (LoRA
+    on a float32 model) takes fast with budget-sized chunks; the rounded hidden is counted."""
+    amp = Problem(rows=E.rows, vocab=E.vocab, dim=E.dim, logit_bytes=2, rounds_inputs=True)
+    budget = policy.budget_bytes(amp, None, 0.125)
+    assert choose(problem=amp, needs_classifier=False, budget=budget) == "fast"
+    rows = policy.fast_run_rows(amp, False, budget)
+    assert E.rows * E.dim * 2 + rows * (E.vocab + E.dim) * 4 <= budget
+    assert choose(problem=amp, needs_classifier=True, budget=budget) == "lean"
 
 
 def test_explicit_modes():
@@ -73,7 +94,8 @@ def test_explicit_modes():
 def test_fast_chunk_rows_bounded_by_budget_and_rows():
     fixed = policy.fast_fixed_bytes(E, True)
     assert policy.fast_chunk_rows(E, True, BIG) == policy.FAST_CHUNK_ROWS
-    assert policy.fast_chunk_rows(E, True, fixed + 10 * E.vocab * 4) == 10
+    assert policy.fast_chunk_rows(E, True, fixed + 10 * ROW) == 10
+    assert policy.fast_chunk_rows(E, True, fixed + 10 * ROW - 1) == 9
     assert policy.fast_chunk_rows(E, True, fixed) == 0
     few = Problem(rows=7, vocab=10, dim=3, logit_bytes=2)
     assert policy.fast_chunk_rows(few, True, BIG) == 7
@@ -81,8 +103,8 @@ def test_fast_chunk_rows_bounded_by_budget_and_rows():
 
 def test_mixed_precision_counts_the_rounded_copies():
     amp = Problem(rows=E.rows, vocab=E.vocab, dim=E.dim, logit_bytes=2, rounds_inputs=True)
-    rounded = (E.vocab + E.rows) * E.dim * 2
-    assert policy.fast_fixed_bytes(amp, True) == policy.fast_fixed_bytes(E, True) + rounded
+    rounded_hidden = E.rows * E.dim * 2  # the classifier's copy is autocast's own: not counted
+    assert policy.fast_fixed_bytes(amp, True) == policy.fast_fixed_bytes(E, True) + rounded_hidden
     budget = policy.budget_bytes(amp, None, 0.125)
     columns = policy.lean_slab_columns(amp, True, budget)
     used = E.rows * E.dim * (4 + 2) + columns * (E.rows + E.dim) * 2
@@ -98,17 +120,23 @@ def test_lean_slab_fills_the_budget():
     assert E.rows * E.dim * 4 + (columns + 1) * E.rows * 2 > budget
 
 
-def test_lean_slab_never_narrower_than_the_efficiency_floor():
-    """Shape C (V < 16 D): the float32 d-hidden accumulator alone is over 1/8 of the logits."""
+def test_lean_slab_never_narrower_than_the_efficiency_floors():
+    """Shape C (V < 16 D): the float32 d-hidden accumulator alone is over 1/8 of the logits,
+    and slabs of the 2048-class floor would leave the GPU waiting on the host's launches: each
+    slab gets at least MIN_SLAB_MACS of work."""
     c = Problem(rows=4096, vocab=32000, dim=2048, logit_bytes=2)
     budget = policy.budget_bytes(c, None, 0.125)
     assert c.rows * c.dim * 4 > budget
-    assert policy.lean_slab_columns(c, True, budget) == policy.MIN_SLAB_COLUMNS
+    columns = policy.lean_slab_columns(c, True, budget)
+    assert columns * c.rows * c.dim >= policy.MIN_SLAB_MACS > (columns - 1) * c.rows * c.dim
+    assert columns > policy.MIN_SLAB_COLUMNS
+    thin = Problem(rows=1 << 20, vocab=32000, dim=4096, logit_bytes=2)  # floor: 2048 classes
+    assert policy.lean_slab_columns(thin, True, 0) == policy.MIN_SLAB_COLUMNS
 
 
 def test_a_fast_run_keeps_to_the_budget_when_auto_would_pick_fast():
     fixed = policy.fast_fixed_bytes(E, True)
-    fits_1536 = fixed + 1536 * E.vocab * 4
+    fits_1536 = fixed + 1536 * ROW
     assert choose(budget=fits_1536) == "fast"
     assert policy.fast_run_rows(E, True, fits_1536) == 1536  # (was the tuned 4096: over budget)
     # fast asked for where no useful chunk fits: the tuned chunk, over the budget

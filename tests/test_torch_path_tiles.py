@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import rel_error
+from oracle import assert_close, oracle_logits, rel_error
 from strategies import build_case
 from test_functional import run_and_compare
 
@@ -113,3 +113,32 @@ def test_vocabulary_split_over_slabs(small_tiles):
     mine = (flat >= 300) & (flat < VOCAB)
     expected = torch.where(mine, logits.gather(1, (flat - 300).clamp(0, 299)[:, None])[:, 0], 0)
     torch.testing.assert_close(tiled.target_logit, expected.float())
+
+
+@pytest.mark.parametrize("mode", ["lean", "fast"])
+def test_small_tiles_entropy_and_argmax(small_tiles, mode):
+    # Each row's entropy and argmax combine over the slabs (lean) and chunks (fast); classes 3
+    # and 300 (slabs 0 and 1) tie for some rows' largest logit: the first class wins.
+    case = build_case(leading=LEAD, dim=DIM, vocab=VOCAB, seed=10, logit_scale=1.3, bias=True)
+    case.classifier[300] = case.classifier[3]
+    case.bias[300] = case.bias[3]
+    tied = case.classifier[3]
+    case.hidden[0, :3] = tied * (10 / tied.square().sum())  # rows whose largest logits tie
+    logits = oracle_logits(case.hidden, case.classifier, case.bias, case.softcap, case.logit_scale)
+    assert (logits.argmax(-1) == 3).sum() >= 3
+    hidden = case.hidden.detach().requires_grad_()
+    _, entropy, argmax = cce_compile.linear_cross_entropy(
+        hidden,
+        case.classifier,
+        case.targets,
+        case.bias,
+        mode=mode,
+        return_entropy=True,
+        return_argmax=True,
+        **case.options(),
+    )
+    valid = case.targets != case.ignore_index
+    want = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    want = torch.where(valid, want, 0.0)
+    assert_close("entropy", entropy, want, 1e-5, want.abs().max().item())
+    assert torch.equal(argmax, torch.where(valid, logits.argmax(-1), -1))

@@ -109,7 +109,7 @@ def test_several_fast_chunks(monkeypatch):
         calls.append(args)
         return 5
 
-    monkeypatch.setattr(policy, "fast_chunk_rows", five_rows)
+    monkeypatch.setattr(policy, "fast_run_rows", five_rows)
     case = build_case(
         leading=(4, 7),
         dim=18,
@@ -121,7 +121,7 @@ def test_several_fast_chunks(monkeypatch):
         seed=11,
     )
     run_and_compare(to_device(case), mode="fast")
-    assert calls, "fast mode must size its chunks through policy.fast_chunk_rows"
+    assert calls, "fast mode must size its chunks through policy.fast_run_rows"
 
 
 @pytest.mark.parametrize("mode", ["lean", "fast"])

@@ -65,6 +65,7 @@ SETTING_VALUES = dict(
     memory_budget_mb=[1, 4096],
     escaping_logits=["keep", "rewrite"],
     grad_filter=[None, 2.0**-12],
+    skip_ignored=[True, False],
     check_targets=[False, True],
     disable=[False, True],
 )

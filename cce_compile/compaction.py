@@ -1,0 +1,142 @@
+"""Skipping ignored rows: the op computes only on the loss rows whose target counts.
+
+A row whose target is ``ignore_index`` contributes no loss and no gradient, so no GEMM, kernel or
+chunk needs to touch it. Supervised fine-tuning masks its prompts (often 30-80% of the tokens)
+and padding, so this is most of the work there. With ``skip_ignored`` the forward:
+
+1. learns which rows count (``valid.nonzero()``: the op's one host synchronisation);
+2. gathers them into a compact (1, n, D) hidden and (1, n) targets with no shift;
+3. runs the implementation on those rows only (every mode, every device);
+4. scatters the per-row results back: 0 at ignored rows, and exact zero gradients there.
+
+Every reduction keeps its value: ignored rows add nothing to the sums, the class-weight sums or
+the counts that 'mean' and the z-loss divide by, and 'none' gets its zeros back. An out-of-range
+target is not ignored, so its row is kept and stays NaN.
+
+The forward returns the rows it computed on (``row_index``, int64); the backward gathers the
+same rows from it with no second synchronisation, since its size is known on the host. Its size
+says what happened: N entries when no row was skipped (the index is then the identity and is not
+read), fewer when the rows were compacted (possibly none).
+
+No compaction, and no synchronisation:
+
+* ``skip_ignored`` off (``CCE_SKIP_IGNORED=0``; the graph pass also turns it off for graphs that
+  Inductor runs as CUDA graphs);
+* during CUDA-graph capture, where a synchronisation is an error;
+* ``lse_all_rows``: the returned lse must then be computed at ignored rows too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .op_signature import Bound
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The loss rows one call of the op computes on."""
+
+    index: torch.Tensor  # (n,) int64 loss rows, ascending
+    n_rows: int  # N, every loss row
+
+    @property
+    def compacted(self) -> bool:
+        return self.index.numel() != self.n_rows
+
+    def cells(self, rows_per_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b, t) of the kept rows in a (B, T - shift) grid."""
+        rows_per_seq = max(rows_per_seq, 1)  # no rows at all: the index is empty
+        return self.index // rows_per_seq, self.index % rows_per_seq
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def select(args: Bound) -> Selection | None:
+    """The rows this forward computes on (all of them where it may not compact: module
+    docstring); None without ``skip_ignored``. Learning them is a host synchronisation."""
+    if not args.skip_ignored:
+        return None
+    valid = args.targets[:, args.shift :].reshape(-1) != args.ignore_index
+    if args.lse_all_rows or _capturing(valid.device):
+        return Selection(torch.arange(valid.numel(), device=valid.device), valid.numel())
+    return Selection(valid.nonzero().squeeze(1), valid.numel())
+
+
+def of_backward(args: Bound) -> Selection | None:
+    """The forward's selection, read back from its ``row_index`` (no synchronisation)."""
+    index = args.row_index
+    if index is None:
+        return None
+    batch, time = args.targets.shape
+    return Selection(index, batch * (time - args.shift))
+
+
+def copy_bytes(args: Bound, selection: Selection) -> int:
+    """The memory the compact copy of hidden takes (counted against the budget)."""
+    return selection.index.numel() * args.hidden.shape[-1] * args.hidden.element_size()
+
+
+def _row_matrix(hidden: torch.Tensor, shift: int, selection: Selection):
+    """(matrix, positions): a (P, D) view of hidden's rows and the kept rows' indices into it,
+    so that gathers and scatters are row copies (``index_select``), not element indexing.
+    None where hidden's strides have no such view (e.g. a batch dimension of stride 0)."""
+    batch, time, dim = hidden.shape
+    stride_b, stride_t, stride_d = hidden.stride()
+    b, t = selection.cells(time - shift)
+    if stride_d != 1 or stride_t <= 0:
+        return None
+    if batch == 1:
+        seq_stride = time
+    elif stride_b % stride_t == 0 and stride_b // stride_t >= time:
+        seq_stride = stride_b // stride_t
+    else:
+        return None
+    rows = (batch - 1) * seq_stride + time if batch * time else 0
+    return hidden.as_strided((rows, dim), (stride_t, 1)), b * seq_stride + t
+
+
+def gather_hidden(hidden: torch.Tensor, shift: int, selection: Selection) -> torch.Tensor:
+    """The kept rows of hidden (B, T, D) as a compact (1, n, D) copy."""
+    view = _row_matrix(hidden, shift, selection)
+    if view is None:
+        b, t = selection.cells(hidden.shape[1] - shift)
+        return hidden[b, t].unsqueeze(0)
+    matrix, positions = view
+    return matrix.index_select(0, positions).unsqueeze(0)
+
+
+def compact(args: Bound, selection: Selection, **row_values: torch.Tensor | None) -> Bound:
+    """``args`` on the kept rows: hidden (1, n, D), targets (1, n), no shift; ``row_values``
+    (per loss row, flattened to (N, ...)) restricted to the same rows."""
+    shift = args.shift
+    targets = args.targets[:, shift:].reshape(-1)
+    changes: dict = dict(
+        hidden=gather_hidden(args.hidden, shift, selection),
+        targets=targets.index_select(0, selection.index).unsqueeze(0),
+        shift=0,
+    )
+    for name, value in row_values.items():
+        changes[name] = None if value is None else value.index_select(0, selection.index)
+    return args.replace(**changes)
+
+
+def expand_rows(values: torch.Tensor, selection: Selection, fill: float = 0) -> torch.Tensor:
+    """(n, ...) values of the kept rows -> (N, ...), ``fill`` at the skipped rows."""
+    out = values.new_full((selection.n_rows, *values.shape[1:]), fill)
+    return out.index_copy_(0, selection.index, values)
+
+
+def expand_hidden(
+    grad: torch.Tensor, selection: Selection, hidden: torch.Tensor, shift: int
+) -> torch.Tensor:
+    """A (1, n, D) gradient of the compact hidden -> hidden's (B, T, D), exact zeros at every
+    other position."""
+    out = grad.new_zeros(hidden.shape)
+    matrix, positions = _row_matrix(out, shift, selection)  # ``out`` is contiguous
+    matrix.index_copy_(0, positions, grad[0])
+    return out
