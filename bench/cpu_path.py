@@ -61,12 +61,13 @@ def load_baseline(ref: str):
 @contextlib.contextmanager
 def implementation(module):
     """Run the op with ``module`` as the CPU path (None: the checked-out torch_path)."""
-    saved = execution.torch_path
-    execution.torch_path = module or saved
+    saved = execution.implementation_for
+    if module is not None:
+        execution.implementation_for = lambda device: module
     try:
         yield
     finally:
-        execution.torch_path = saved
+        execution.implementation_for = saved
 
 
 def interleaved(
