@@ -1,11 +1,23 @@
 """The PyTorch implementation: the CPU path (any device), and the fast companion of the oracle.
 
-Rows are processed in chunks so that at most one chunk of float32 logits exists at a time
-(never N x V). Everything is accumulated in float32 and matches float32 math to rounding.
+Never N x V: the logits exist one tile at a time, in float32, and everything is accumulated in
+float32 (it matches float32 math to rounding).
+
+* Lean mode (``logit_stats``, ``gradients``) takes tiles of up to ``ROW_TILE`` rows by a slab
+  of classes. The forward combines each row's log-sum-exp over the slabs; the backward
+  recomputes each tile, turns it into its gradient in place, adds its share of hidden's
+  gradient to the row block's float32 accumulator, and writes (past the first row block:
+  adds) its slab of the classifier's gradient.
+* Fast mode (``fast_forward``) needs a row's lse before any of its gradient, so it takes
+  chunks of whole rows.
+
+The tile's size: the memory budget (``policy.cpu_chunk_rows``) is a maximum, not a target. A
+CPU's GEMMs run at full speed only while their output stays in cache, so a lean tile holds at
+most ``TILE_ELEMENTS`` logits (``bench/cpu_path.py`` measures it).
 
 Shapes follow the op's canonical form (``interface``): row ``r`` of the loss is
 ``hidden[b, t]`` predicting ``targets[b, t + shift]`` with ``(b, t) = divmod(r, T - shift)``,
-so a shift never copies ``hidden``.
+so a shift never copies ``hidden`` where its rows form one strided matrix.
 
 ``differentiable_loss`` is the same math left to PyTorch's autograd, for what the op's own
 formula does not cover (forward-mode AD, functorch transforms, a differentiable logit_scale).
@@ -14,6 +26,7 @@ formula does not cover (forward-mode AD, functorch transforms, a differentiable 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 
 import torch
@@ -30,40 +43,137 @@ from .loss_math import (
 )
 from .policy import cpu_chunk_rows
 
+# The most rows per lean tile. Tiles of fewer rows re-read each slab of the classifier more
+# often: at the CPU demo's shape 256-row tiles took 1.3x as long as 1024-row ones.
+ROW_TILE = 1024
+# The most float32 logits per lean tile (2 MiB): larger tiles were no faster on 2 cores with
+# 1 MiB of L2 cache each, and they take memory.
+TILE_ELEMENTS = 1 << 19
+# Slabs are whole blocks of gradient filtering's classes, so that a slab's per-block lse is
+# complete (filtering.py).
+SLAB_ALIGN = filtering.FILTER_BLOCK
+LOG2_E = 1.0 / math.log(2.0)
+
 
 class _Rows:
-    """Reads and writes rows of a (B, T, D) tensor by flat row index, without copying it."""
+    """The loss's rows of a (B, T, D) tensor as one (N, D) matrix, a view where possible."""
 
     def __init__(self, hidden: torch.Tensor, shift: int):
         self.hidden = hidden
         self.per_batch = hidden.shape[1] - shift
-        self.flat = None
-        if shift == 0 or hidden.shape[0] == 1:
-            view = hidden[:, : self.per_batch]
-            try:
-                self.flat = view.view(-1, hidden.shape[-1])
-            except RuntimeError:
-                self.flat = None
+        self.count = hidden.shape[0] * self.per_batch
+        self.shift = shift
 
-    def index(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        r = torch.arange(start, stop, device=self.hidden.device)
+    def view_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """``tensor``'s rows as an (N, D) view, or None where they are not one matrix."""
+        if self.shift and tensor.shape[0] != 1:
+            return None
+        try:
+            return tensor[:, : self.per_batch].view(-1, tensor.shape[-1])
+        except RuntimeError:
+            return None
+
+    def index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        r = torch.arange(self.count, device=self.hidden.device)
         return r // self.per_batch, r % self.per_batch
 
-    def read(self, start: int, stop: int) -> torch.Tensor:
-        if self.flat is not None:
-            return self.flat[start:stop]
-        return self.hidden[self.index(start, stop)]
+    def read(self) -> torch.Tensor:
+        view = self.view_of(self.hidden)
+        return view if view is not None else self.hidden[self.index()]
 
-    def write(self, out: torch.Tensor, start: int, stop: int, value: torch.Tensor) -> None:
-        if self.flat is not None and out.is_contiguous():
-            out.view(-1, out.shape[-1])[start:stop] = value
-        else:
-            out[self.index(start, stop)] = value
+    def write(self, out: torch.Tensor, value: torch.Tensor) -> None:
+        out[self.index()] = value
 
 
-def _chunks(n_rows: int, chunk: int) -> Iterator[tuple[int, int]]:
-    for start in range(0, n_rows, chunk):
-        yield start, min(start + chunk, n_rows)
+def _ranges(total: int, step: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, total, step):
+        yield start, min(start + step, total)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    """Lean mode's tiles: up to ``rows`` x ``cols`` logits."""
+
+    rows: int
+    cols: int
+
+    @staticmethod
+    def of(n_rows: int, vocab: int, budget: int) -> _Tiles:
+        rows = max(1, min(n_rows, ROW_TILE))
+        cols = vocab
+        if rows * vocab > TILE_ELEMENTS:
+            cols = min(vocab, max(SLAB_ALIGN, TILE_ELEMENTS // rows // SLAB_ALIGN * SLAB_ALIGN))
+        return _Tiles(max(1, min(rows, cpu_chunk_rows(cols, budget))), cols)
+
+    def buffer(self, n_rows: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(min(n_rows, self.rows) * self.cols, device=device)
+
+
+def _view(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return buffer[: rows * cols].view(rows, cols)
+
+
+def _exp_(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) in place, as exp2(x * log2(e)): ATen's float32 exp2 is ~3x as fast as its exp
+    on the CPU (0.28 against 0.82 ns per element on one AVX-512 core) and as accurate, to
+    1-2e-6 relative for the softmax's arguments."""
+    return x.mul_(LOG2_E).exp2_()
+
+
+def _row_max(z: torch.Tensor) -> torch.Tensor:
+    """Each row's largest value, 0 where it is infinite (``torch.logsumexp``'s shift)."""
+    top = z.amax(dim=-1)
+    return top.masked_fill_(top.abs() == math.inf, 0.0)
+
+
+def _tile_lse_(z: torch.Tensor) -> torch.Tensor:
+    """Each row's log-sum-exp, as ``torch.logsumexp``, computed over ``z`` (which it
+    overwrites) with one exponential per element."""
+    top = _row_max(z)
+    return _exp_(z.sub_(top[:, None])).sum(dim=-1).log_().add_(top)
+
+
+class _Extras:
+    """Each row's mean logit under its softmax and first largest logit's class, when asked
+    (the op's entropy and argmax outputs), combined over a row's slabs of classes: each slab
+    gives the mean under its own softmax, weighted by its share exp(lse_slab - lse) of the
+    row's, and its first largest logit, which a later slab replaces only if larger."""
+
+    def __init__(self, n_rows: int, device: torch.device, mean_z: bool, argmax: bool):
+        def empty(wanted, dtype=torch.float32):
+            return torch.empty(n_rows, dtype=dtype, device=device) if wanted else None
+
+        self.mean_z, self.lse = empty(mean_z), empty(mean_z)  # lse: of the slabs so far
+        self.argmax, self.top = empty(argmax, torch.int64), empty(argmax)
+
+    def add(self, z: torch.Tensor, rows: tuple[int, int], col_start: int) -> None:
+        """One tile's logits, left intact (``col_start`` 0: its row block's first slab)."""
+        r0, r1 = rows
+        if self.mean_z is not None:
+            self._add_mean(z, self.mean_z[r0:r1], self.lse[r0:r1], first=col_start == 0)
+        if self.argmax is not None:
+            top, index = z.max(dim=-1)  # the first of tied largest logits, as argmax
+            if col_start == 0:
+                self.top[r0:r1], self.argmax[r0:r1] = top, index
+            else:
+                larger = top > self.top[r0:r1]
+                torch.where(larger, top, self.top[r0:r1], out=self.top[r0:r1])
+                torch.where(larger, index + col_start, self.argmax[r0:r1], out=self.argmax[r0:r1])
+
+    @staticmethod
+    def _add_mean(z, mean_z, lse, first: bool) -> None:
+        top = _row_max(z)
+        p = _exp_(z - top[:, None])  # unnormalised
+        total = p.sum(dim=-1)
+        mean = torch.linalg.vecdot(p, z).div_(total)
+        slab_lse = total.log_().add_(top)
+        if first:
+            mean_z.copy_(mean)
+            lse.copy_(slab_lse)
+            return
+        new_lse = torch.logaddexp(lse, slab_lse)
+        mean_z.mul_((lse - new_lse).exp_()).add_(mean.mul_((slab_lse - new_lse).exp_()))
+        lse.copy_(new_lse)
 
 
 def _logits(h32, c32, b32, logit_scale, softcap) -> torch.Tensor:
@@ -78,6 +188,18 @@ def _logits(h32, c32, b32, logit_scale, softcap) -> torch.Tensor:
         z *= logit_scale
     if softcap is not None:
         z = torch.tanh(z / softcap) * softcap
+    return z
+
+
+def _tile_logits(out: torch.Tensor, h32, c32, b32, spec: LossSpec) -> torch.Tensor:
+    """``_logits`` of one tile, computed in ``out`` (the same arithmetic, in place)."""
+    z = torch.mm(h32, c32.T, out=out)
+    if b32 is not None:
+        z += b32
+    if spec.logit_scale != 1.0:
+        z *= spec.logit_scale
+    if spec.softcap is not None:
+        z.div_(spec.softcap).tanh_().mul_(spec.softcap)
     return z
 
 
@@ -97,58 +219,121 @@ class _ClassTargets:
     def slice(self, start: int, stop: int) -> _ClassTargets:
         return _ClassTargets(self.index[start:stop], self.hit[start:stop])
 
+    def in_slab(self, start: int, stop: int, vocab: int) -> _ClassTargets:
+        """The targets as columns of the slab [start, stop) of these ``vocab`` classes."""
+        if start == 0 and stop == vocab:
+            return self
+        local = self.index - start
+        hit = self.hit & (local >= 0) & (local < stop - start)
+        return _ClassTargets(local * hit, hit)
+
+
+def _tanh_grad(z: torch.Tensor, spec: LossSpec, out: torch.Tensor | None) -> torch.Tensor | None:
+    """The softcap's derivative 1 - (z / softcap)^2 at the capped logits ``z`` (in ``out``)."""
+    if spec.softcap is None:
+        return None
+    return torch.div(z, spec.softcap, out=out).square_().neg_().add_(1.0)
+
+
+def _finish_grad_(
+    grad: torch.Tensor,
+    tanh_grad: torch.Tensor | None,
+    coefs: Coefficients,
+    columns: _ClassTargets,
+    w32: torch.Tensor | None,
+    spec: LossSpec,
+    keep: torch.Tensor | None,
+) -> torch.Tensor:
+    """From the tile's softmax term coef_p * p to d loss / d (h @ c.T + b), in place."""
+    _, coef_t, coef_w = coefs
+    if keep is not None:
+        grad.mul_(keep)
+    grad.scatter_add_(1, columns.index[:, None], torch.where(columns.hit, -coef_t, 0.0)[:, None])
+    if spec.label_smoothing:
+        grad.sub_(coef_w[:, None] * w32 if w32 is not None else coef_w[:, None])
+    if tanh_grad is not None:
+        grad.mul_(tanh_grad)
+    if spec.logit_scale != 1.0:
+        grad.mul_(spec.logit_scale)
+    return grad
+
 
 def _grad_from_logits(
     z: torch.Tensor,
-    lse: torch.Tensor,
+    shift: torch.Tensor,
     coefs: Coefficients,
     columns: _ClassTargets,
     w32: torch.Tensor | None,
     spec: LossSpec,
     keep: torch.Tensor | None = None,
+    tanh_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """d loss / d (h @ c.T + b) for one chunk from its logits ``z``, which it overwrites;
-    ``keep`` (n, blocks): gradient filtering drops the softmax term elsewhere."""
-    tanh_grad = None
-    if spec.softcap is not None:
-        tanh_grad = 1.0 - (z / spec.softcap).square()
+    """d loss / d (h @ c.T + b) of one tile from its logits ``z``, written over them.
+
+    ``shift`` (n,): each row's lse, +inf on rows without a gradient (``_lse_shift``);
+    ``columns``: the targets as the tile's columns; ``w32``: the tile's class weights;
+    ``keep`` (n, cols) bool: gradient filtering drops the softmax term elsewhere;
+    ``tanh_out``: room for the softcap's derivative."""
+    tanh_grad = _tanh_grad(z, spec, tanh_out)
+    grad = _exp_(z.sub_(shift[:, None])).mul_(coefs[0][:, None])
+    return _finish_grad_(grad, tanh_grad, coefs, columns, w32, spec, keep)
+
+
+def _lse_shift(lse: torch.Tensor, coefs: Coefficients) -> torch.Tensor:
+    """Each row's lse, +inf on rows with no upstream gradient (ignored rows): their gradient
+    is then exp(-inf) * 0 = 0 with no extra pass, even where their saved lse is a placeholder
+    and exp(z - lse) would overflow (non-finite logits give NaN, as in PyTorch)."""
     coef_p, coef_t, coef_w = coefs
-    grad = z.sub_(lse[:, None]).exp_().mul_(coef_p[:, None])
-    if keep is not None:
-        grad.mul_(filtering.keep_columns(keep, grad.shape[1]))
-    grad.scatter_add_(1, columns.index[:, None], torch.where(columns.hit, -coef_t, 0.0)[:, None])
-    if spec.label_smoothing:
-        grad.sub_(coef_w[:, None] * (w32 if w32 is not None else 1.0))
-    if tanh_grad is not None:
-        grad.mul_(tanh_grad)
-    if spec.logit_scale != 1.0:
-        grad.mul_(spec.logit_scale)
-    # A row with no upstream gradient (ignored) contributes exactly 0, even where its saved lse
-    # is a placeholder and exp(z - lse) overflowed.
     active = (coef_p != 0) | (coef_t != 0) | (coef_w != 0)
-    return torch.where(active[:, None], grad, 0.0)
+    return torch.where(active, lse, math.inf)
 
 
 class _Accumulators:
-    """float32 accumulators of the gradients (hidden's is written row by row)."""
+    """float32 gradients, filled tile by tile: hidden's per row block over the slabs,
+    the classifier's and bias's per slab over the row blocks."""
 
-    def __init__(self, hidden, classifier, bias, needs: Needs):
-        def zeros(like, wanted):
-            return (
-                torch.zeros(like.shape, dtype=torch.float32, device=like.device) if wanted else None
-            )
+    def __init__(self, hidden, classifier, bias, needs: Needs, rows_io: _Rows):
+        device = classifier.device
+        empty = torch.zeros if rows_io.count == 0 else torch.empty  # no tile writes them
+        self.rows_io = rows_io
+        self.hidden = self.hidden_rows = None
+        if needs.hidden:
+            self.hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=device)
+            self.hidden_rows = rows_io.view_of(self.hidden)
+            if self.hidden_rows is None:
+                self.hidden_rows = torch.empty(
+                    (rows_io.count, hidden.shape[-1]), dtype=torch.float32, device=device
+                )
+        self.classifier = (
+            empty(classifier.shape, dtype=torch.float32, device=device)
+            if needs.classifier
+            else None
+        )
+        self.bias = empty(bias.shape, dtype=torch.float32, device=device) if needs.bias else None
 
-        self.hidden = zeros(hidden, needs.hidden)
-        self.classifier = zeros(classifier, needs.classifier)
-        self.bias = zeros(bias, needs.bias)
-
-    def add(self, rows_io: _Rows, start, stop, grad, h32, c32) -> None:
-        if self.hidden is not None:
-            rows_io.write(self.hidden, start, stop, grad @ c32)
+    def add(self, grad, rows: tuple[int, int], cols: tuple[int, int], h32, c32) -> None:
+        """One tile's gradient (rows x cols): its shares of the three gradients."""
+        (r0, r1), (c0, c1) = rows, cols
+        if self.hidden_rows is not None:
+            if c0 == 0:
+                torch.mm(grad, c32, out=self.hidden_rows[r0:r1])
+            else:
+                self.hidden_rows[r0:r1].addmm_(grad, c32)
         if self.classifier is not None:
-            self.classifier.addmm_(grad.T, h32)
+            if r0 == 0:
+                torch.mm(grad.T, h32, out=self.classifier[c0:c1])
+            else:
+                self.classifier[c0:c1].addmm_(grad.T, h32)
         if self.bias is not None:
-            self.bias += grad.sum(0)
+            if r0 == 0:
+                torch.sum(grad, 0, out=self.bias[c0:c1])
+            else:
+                self.bias[c0:c1] += grad.sum(0)
+
+    def result(self) -> Gradients:
+        if self.hidden is not None and self.rows_io.view_of(self.hidden) is None:
+            self.rows_io.write(self.hidden, self.hidden_rows)
+        return self.hidden, self.classifier, self.bias
 
 
 def scale_to(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -167,6 +352,10 @@ def _operands(classifier, bias, class_weights, compute_dtype):
     b32 = _float(bias, compute_dtype) if bias is not None else None
     w32 = class_weights.float() if class_weights is not None else None
     return c32, b32, w32
+
+
+def _part(t: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    return None if t is None else t[start:stop]
 
 
 def logit_stats(
@@ -192,63 +381,39 @@ def logit_stats(
     c32, b32, w32 = _operands(classifier, bias, class_weights, compute_dtype)
     columns = _ClassTargets.of(targets, spec, col_start, vocab)
     rows_io = _Rows(hidden, spec.shift)
-    n_rows = columns.index.numel()
-    lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
-    target_logit = torch.empty_like(lse)
-    wsum = torch.empty_like(lse) if spec.needs_wsum else None
+    h32 = _float(rows_io.read(), compute_dtype)
+    n_rows = rows_io.count
+    device = hidden.device
+    lse = torch.empty(n_rows, dtype=torch.float32, device=device)
+    target_logit = torch.zeros_like(lse)
+    wsum = torch.zeros_like(lse) if spec.needs_wsum else None
     blocks = None
     if block_lse:
-        blocks = torch.empty((filtering.block_count(vocab), n_rows), device=hidden.device)
-    extras = _Extras.empty(lse, mean_z, argmax)
-    for start, stop in _chunks(n_rows, cpu_chunk_rows(vocab, budget_bytes)):
-        z = _logits(
-            _float(rows_io.read(start, stop), compute_dtype),
-            c32,
-            b32,
-            spec.logit_scale,
-            spec.softcap,
-        )
-        _write_stats(z, columns.slice(start, stop), w32, (lse, target_logit, wsum), start, stop)
-        extras.write(z, lse, start, stop)
-        if blocks is not None:
-            blocks[:, start:stop] = filtering.block_lse_of_logits(z).t()
-    stats = RowStats(lse, target_logit, wsum, blocks)
-    stats.mean_z, stats.argmax = extras.mean_z, extras.argmax
-    return stats
-
-
-@dataclasses.dataclass
-class _Extras:
-    """Each row's mean logit under its softmax and first largest logit's class, when asked
-    (the op's entropy and argmax outputs)."""
-
-    mean_z: torch.Tensor | None
-    argmax: torch.Tensor | None
-
-    @staticmethod
-    def empty(like: torch.Tensor, mean_z: bool, argmax: bool) -> _Extras:
-        return _Extras(
-            torch.empty_like(like) if mean_z else None,
-            torch.empty_like(like, dtype=torch.int64) if argmax else None,
-        )
-
-    def write(self, z: torch.Tensor, lse: torch.Tensor, start: int, stop: int) -> None:
-        """From one chunk's logits (before they are overwritten) and its rows' lse."""
-        if self.mean_z is not None:
-            p = torch.exp(z - lse[start:stop, None])
-            self.mean_z[start:stop] = (p * z).sum(-1)
-        if self.argmax is not None:
-            self.argmax[start:stop] = z.argmax(-1)
-
-
-def _write_stats(z, columns: _ClassTargets, w32, stats, start: int, stop: int) -> None:
-    """One chunk's lse, target logit (0 where the target is not a given class) and wsum."""
-    lse, target_logit, wsum = stats
-    lse[start:stop] = torch.logsumexp(z, dim=-1)
-    picked = z.gather(1, columns.index[:, None])[:, 0]
-    target_logit[start:stop] = torch.where(columns.hit, picked, 0.0)
-    if wsum is not None:
-        wsum[start:stop] = z @ w32 if w32 is not None else z.sum(-1)
+        blocks = torch.empty((filtering.block_count(vocab), n_rows), device=device)
+    extras = _Extras(n_rows, device, mean_z, argmax)
+    tiles = _Tiles.of(n_rows, vocab, budget_bytes)
+    buffer = tiles.buffer(n_rows, device)
+    for r0, r1 in _ranges(n_rows, tiles.rows):
+        row_columns = columns.slice(r0, r1)
+        for c0, c1 in _ranges(vocab, tiles.cols):
+            z = _tile_logits(
+                _view(buffer, r1 - r0, c1 - c0), h32[r0:r1], c32[c0:c1], _part(b32, c0, c1), spec
+            )
+            in_slab = row_columns.in_slab(c0, c1, vocab)
+            picked = z.gather(1, in_slab.index[:, None])[:, 0]
+            torch.where(in_slab.hit, picked, target_logit[r0:r1], out=target_logit[r0:r1])
+            if wsum is not None:
+                wsum[r0:r1] += z @ w32[c0:c1] if w32 is not None else z.sum(-1)
+            if blocks is not None:
+                b0 = c0 // filtering.FILTER_BLOCK
+                part = filtering.block_lse_of_logits(z).t()
+                blocks[b0 : b0 + part.shape[0], r0:r1] = part
+            extras.add(z, (r0, r1), c0)
+            if c0 == 0:
+                lse[r0:r1] = _tile_lse_(z)
+            else:
+                torch.logaddexp(lse[r0:r1], _tile_lse_(z), out=lse[r0:r1])
+    return RowStats(lse, target_logit, wsum, blocks, extras.mean_z, extras.argmax)
 
 
 def fast_forward(
@@ -272,24 +437,41 @@ def fast_forward(
     c32, b32, w32 = _operands(classifier, bias, class_weights, compute_dtype)
     columns = _ClassTargets.of(targets, spec, 0, vocab)
     rows_io = _Rows(hidden, spec.shift)
-    n_rows = rows.targets.numel()
-    lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
-    stats = (lse, torch.empty_like(lse), torch.empty_like(lse) if spec.needs_wsum else None)
-    acc = _Accumulators(hidden, classifier, bias, needs)
-    extras = _Extras.empty(lse, entropy, argmax)
-    unit = torch.ones((), device=hidden.device)
-    for start, stop in _chunks(n_rows, cpu_chunk_rows(vocab, budget_bytes)):
-        h32 = _float(rows_io.read(start, stop), compute_dtype)
-        z = _logits(h32, c32, b32, spec.logit_scale, spec.softcap)
-        _write_stats(z, columns.slice(start, stop), w32, stats, start, stop)
-        extras.write(z, lse, start, stop)
-        grad_loss = unit.expand(stop - start) if spec.reduction == "none" else unit
-        chunk_rows_ = rows.slice(start, stop)
-        coefs = row_coefficients(grad_loss, None, lse[start:stop], chunk_rows_, spec, vocab)
-        grad = _grad_from_logits(z, lse[start:stop], coefs, columns.slice(start, stop), w32, spec)
-        acc.add(rows_io, start, stop, grad, h32, c32)
-    out = ForwardOut(finish_loss(*stats, rows, spec, vocab), lse)
-    out.grad_hidden, out.grad_classifier, out.grad_bias = acc.hidden, acc.classifier, acc.bias
+    h32 = _float(rows_io.read(), compute_dtype)
+    n_rows = rows_io.count
+    device = hidden.device
+    lse = torch.empty(n_rows, dtype=torch.float32, device=device)
+    target_logit = torch.empty_like(lse)
+    wsum = torch.empty_like(lse) if spec.needs_wsum else None
+    acc = _Accumulators(hidden, classifier, bias, needs, rows_io)
+    extras = _Extras(n_rows, device, entropy, argmax)
+    unit = torch.ones((), device=device)
+    chunk = cpu_chunk_rows(vocab, budget_bytes)
+    buffer = torch.empty(min(n_rows, chunk) * vocab, device=device)
+    tanh_buffer = torch.empty_like(buffer) if spec.softcap is not None else None
+    for r0, r1 in _ranges(n_rows, chunk):
+        z = _tile_logits(_view(buffer, r1 - r0, vocab), h32[r0:r1], c32, b32, spec)
+        chunk_columns = columns.slice(r0, r1)
+        target_logit[r0:r1] = torch.where(
+            chunk_columns.hit, z.gather(1, chunk_columns.index[:, None])[:, 0], 0.0
+        )
+        if wsum is not None:
+            wsum[r0:r1] = z @ w32 if w32 is not None else z.sum(-1)
+        extras.add(z, (r0, r1), 0)
+        tanh_out = None if tanh_buffer is None else _view(tanh_buffer, r1 - r0, vocab)
+        tanh_grad = _tanh_grad(z, spec, tanh_out)
+        # One exponential per logit for both the lse and the gradient: exp(z - top) / total.
+        top = _row_max(z)
+        unnormalised = _exp_(z.sub_(top[:, None]))
+        total = unnormalised.sum(dim=-1)
+        lse[r0:r1] = total.log().add_(top)
+        grad_loss = unit.expand(r1 - r0) if spec.reduction == "none" else unit
+        coefs = row_coefficients(grad_loss, None, lse[r0:r1], rows.slice(r0, r1), spec, vocab)
+        grad = unnormalised.mul_((coefs[0] / total)[:, None])
+        grad = _finish_grad_(grad, tanh_grad, coefs, chunk_columns, w32, spec, None)
+        acc.add(grad, (r0, r1), (0, vocab), h32[r0:r1], c32)
+    out = ForwardOut(finish_loss(lse, target_logit, wsum, rows, spec, vocab), lse)
+    out.grad_hidden, out.grad_classifier, out.grad_bias = acc.result()
     out.entropy = None if extras.mean_z is None else lse - extras.mean_z
     out.argmax = extras.argmax
     return out
@@ -311,23 +493,43 @@ def gradients(
     compute_dtype: torch.dtype | None = None,
     keep_blocks: torch.Tensor | None = None,
 ) -> Gradients:
-    """float32 gradients from per-row coefficients, recomputing the logits chunk by chunk
+    """float32 gradients from per-row coefficients, recomputing the logits tile by tile
     (``keep_blocks``: gradient filtering's mask, filtering.py)."""
     vocab = classifier.shape[0]
     c32, b32, w32 = _operands(classifier, bias, class_weights, compute_dtype)
     columns = _ClassTargets.of(targets, spec, col_start, vocab)
     rows_io = _Rows(hidden, spec.shift)
-    acc = _Accumulators(hidden, classifier, bias, needs)
-    for start, stop in _chunks(columns.index.numel(), cpu_chunk_rows(vocab, budget_bytes)):
-        h32 = _float(rows_io.read(start, stop), compute_dtype)
-        z = _logits(h32, c32, b32, spec.logit_scale, spec.softcap)
-        chunk_coefs = tuple(c[start:stop] for c in coefs)
-        keep = None if keep_blocks is None else keep_blocks[start:stop]
-        grad = _grad_from_logits(
-            z, lse[start:stop], chunk_coefs, columns.slice(start, stop), w32, spec, keep
-        )
-        acc.add(rows_io, start, stop, grad, h32, c32)
-    return acc.hidden, acc.classifier, acc.bias
+    h32 = _float(rows_io.read(), compute_dtype)
+    n_rows = rows_io.count
+    acc = _Accumulators(hidden, classifier, bias, needs, rows_io)
+    shift = _lse_shift(lse, coefs)
+    tiles = _Tiles.of(n_rows, vocab, budget_bytes)
+    buffer = tiles.buffer(n_rows, hidden.device)
+    tanh_buffer = torch.empty_like(buffer) if spec.softcap is not None else None
+    for r0, r1 in _ranges(n_rows, tiles.rows):
+        row_coefs = tuple(c[r0:r1] for c in coefs)
+        row_columns = columns.slice(r0, r1)
+        for c0, c1 in _ranges(vocab, tiles.cols):
+            z = _tile_logits(
+                _view(buffer, r1 - r0, c1 - c0), h32[r0:r1], c32[c0:c1], _part(b32, c0, c1), spec
+            )
+            keep = None
+            if keep_blocks is not None:
+                b0, b1 = c0 // filtering.FILTER_BLOCK, -(-c1 // filtering.FILTER_BLOCK)
+                keep = filtering.keep_columns(keep_blocks[r0:r1, b0:b1], c1 - c0)
+            tanh_out = None if tanh_buffer is None else _view(tanh_buffer, r1 - r0, c1 - c0)
+            grad = _grad_from_logits(
+                z,
+                shift[r0:r1],
+                row_coefs,
+                row_columns.in_slab(c0, c1, vocab),
+                _part(w32, c0, c1),
+                spec,
+                keep,
+                tanh_out,
+            )
+            acc.add(grad, (r0, r1), (c0, c1), h32[r0:r1], c32[c0:c1])
+    return acc.result()
 
 
 def differentiable_loss(
@@ -357,10 +559,10 @@ def differentiable_loss(
     scale = spec.logit_scale if logit_scale is None else logit_scale
     cap = spec.softcap if softcap is None else softcap
     rows_io = _Rows(hidden, spec.shift)
-    n_rows = rows.targets.numel()
+    h32 = _float(rows_io.read(), compute_dtype)
     stats: list[list[torch.Tensor]] = [[], [], []]  # lse, target logit, wsum per chunk
-    for start, stop in _chunks(n_rows, cpu_chunk_rows(vocab, budget_bytes)):
-        z = _logits(_float(rows_io.read(start, stop), compute_dtype), c32, b32, scale, cap)
+    for start, stop in _ranges(rows_io.count, cpu_chunk_rows(vocab, budget_bytes)):
+        z = _logits(h32[start:stop], c32, b32, scale, cap)
         stats[0].append(torch.logsumexp(z, dim=-1))
         stats[1].append(z.gather(1, rows.safe[start:stop, None])[:, 0])
         if spec.needs_wsum:
