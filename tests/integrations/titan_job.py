@@ -1,0 +1,146 @@
+"""torchtitan 0.2.2 runs for the tests: the files a run reads (written, nothing downloaded) and
+a runner that starts ``titan_cpu_train.py`` under torchrun and parses the logged steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import re
+import subprocess
+import sys
+
+LAUNCHER = pathlib.Path(__file__).with_name("titan_cpu_train.py")
+FUSED_FLAGS = (
+    "--experimental.custom_import",
+    "cce_compile.integrations.torchtitan",
+    "--model.name",
+    "llama3_cce",
+)
+FUSED_LOG_LINE = "cce_compile: torchtitan loss fused"
+LAYOUTS = {  # name -> (processes, trainer flags)
+    "fsdp2": (2, ("--parallelism.data_parallel_shard_degree", "2")),
+    "tp2": (
+        2,
+        (
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+        ),
+    ),
+}
+STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.eE+na]+)\s+grad_norm:\s*([-\d.eE+na]+)")
+TIMEOUT_S = 300
+
+# torchtitan 0.2.2 job config: the debug model's training settings, float32 parameters (so that
+# fused and unfused differ only by the loss's rounding), no checkpoints, no validation.
+JOB_TOML = """[job]
+dump_folder = "./outputs"
+
+[metrics]
+log_freq = 1
+disable_color_printing = true
+
+[model]
+name = "llama3"
+flavor = "cputest"
+hf_assets_path = "./tokenizer"
+
+[optimizer]
+name = "AdamW"
+lr = 8e-4
+eps = 1e-8
+
+[lr_scheduler]
+warmup_steps = 1
+
+[training]
+local_batch_size = 2
+seq_len = 64
+max_norm = 1.0
+steps = 3
+dataset = "c4_test"
+dataset_path = "./data"
+mixed_precision_param = "float32"
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+tensor_parallel_degree = 1
+
+[checkpoint]
+enable = false
+
+[compile]
+enable = false
+
+[validation]
+enable = false
+
+[debug]
+seed = 0
+"""
+WORDS = (
+    "the of and to in a is that for it as was with be by on not he this are or his from at "
+    "which but have an they you were her she there been one all we their has would when if"
+).split()
+SPECIALS = ["<unk>", "<|begin_of_text|>", "<|end_of_text|>"]
+
+
+def write_assets(workdir: pathlib.Path, documents: int = 200) -> None:
+    """job.toml, a word-level tokenizer with Llama 3's special-token names, and a JSON-lines
+    c4_test-style dataset, all under ``workdir``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    rng = random.Random(0)
+    (workdir / "job.toml").write_text(JOB_TOML)
+    (workdir / "data").mkdir(parents=True, exist_ok=True)
+    with (workdir / "data" / "data.json").open("w") as f:
+        for _ in range(documents):
+            words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 120)))
+            f.write(json.dumps({"text": words}) + "\n")
+    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    (workdir / "tokenizer").mkdir(exist_ok=True)
+    tokenizer.save(str(workdir / "tokenizer" / "tokenizer.json"))
+    (workdir / "tokenizer" / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|begin_of_text|>",
+                "eos_token": "<|end_of_text|>",
+                "unk_token": "<unk>",
+                "model_max_length": 4096,
+            }
+        )
+    )
+
+
+def train(workdir: pathlib.Path, layout: str, *, fused: bool) -> tuple[list[tuple], str]:
+    """One torchtitan run: ([(loss, grad_norm) per step], its log). Raises with the log's tail
+    when the run fails."""
+    processes, flags = LAYOUTS[layout]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(processes),
+        str(LAUNCHER),
+        "--job.config_file",
+        "job.toml",
+        *flags,
+        *(FUSED_FLAGS if fused else ()),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        command, cwd=workdir, capture_output=True, text=True, env=env, timeout=TIMEOUT_S
+    )
+    log = done.stdout + done.stderr
+    if done.returncode != 0:
+        raise AssertionError(f"torchtitan run failed ({' '.join(command)}):\n{log[-6000:]}")
+    steps = {int(m.group(1)): (float(m.group(2)), float(m.group(3))) for m in STEP.finditer(log)}
+    return [steps[k] for k in sorted(steps)], log
