@@ -1,9 +1,11 @@
 """cce_compile's fused loss in torchtitan's own trainer, through torchtitan's documented hooks.
 
-torchtitan 0.2.x (0.2.2: the release for torch 2.11) computes ``loss_fn(model(inputs), labels)``:
-the model applies its head ``output`` and the loss gets the (B, T, V) logits. Its extension
-point for both is a ``TrainSpec``, loaded with ``--experimental.custom_import``. Importing this
-module registers ``llama3_cce``: torchtitan's own ``llama3`` spec with
+One module for the two torchtitan lines; importing it checks the installed version.
+
+**torchtitan 0.2.x** (0.2.2: the release for torch 2.11) computes ``loss_fn(model(inputs),
+labels)``: the model applies its head ``output``, the loss gets the (B, T, V) logits. The
+extension point for both is a ``TrainSpec``, loaded with ``--experimental.custom_import``.
+Importing this module registers ``llama3_cce``: torchtitan's own ``llama3`` spec with
 
 * a model whose ``output`` is a ``FusedHead``: an ``nn.Linear`` (same parameter, FQN,
   initialisation, FSDP unit ``[norm, output]`` and tensor-parallel plan) that returns the
@@ -17,14 +19,26 @@ module registers ``llama3_cce``: torchtitan's own ``llama3`` spec with
   Under tensor parallelism the weight is vocabulary-sharded and the loss is
   ``cce_compile.distributed.vocab_parallel_cross_entropy``.
 
-The whole user change is two flags::
+Two flags::
 
     torchrun --nproc-per-node 2 -m torchtitan.train --job.config_file <your.toml> \\
         --experimental.custom_import cce_compile.integrations.torchtitan --model.name llama3_cce
 
-Other torchtitan models whose head is ``output`` (an ``nn.Linear``) can be registered the same
-way from your own custom import: ``register("qwen3")`` gives ``qwen3_cce`` (only llama3 is
-tested). Pipeline parallelism is refused. docs/torchtitan.md.
+Other models whose head is ``output`` (an ``nn.Linear``) can be registered from your own
+custom import: ``register("qwen3")`` gives ``qwen3_cce`` (only llama3 is tested). Pipeline
+parallelism is refused.
+
+**torchtitan 0.3.x** (needs torch >= 2.12) has the hook itself: a loss that is a
+``ChunkedLossWrapper`` is handed the model's ``lm_head`` and the model returns its hidden
+states. The override ``cce_loss`` replaces torchtitan's cross-entropy loss config with
+``FusedLoss``, such a wrapper computing the same sum with the op, called through the head
+module so that FSDP2's hooks on it run (the ``[norm, lm_head]`` unit is gathered again when
+it was resharded after the norm's forward). One flag::
+
+    ... --override.imports cce_compile.integrations.torchtitan.cce_loss
+
+Tensor parallelism is refused there (the head's TP hooks would treat the loss as logits).
+docs/torchtitan.md.
 """
 
 from __future__ import annotations
@@ -40,7 +54,7 @@ from ..functional import linear_cross_entropy
 
 log = logging.getLogger("cce_compile")
 
-SUPPORTED_TORCHTITAN = ((0, 2),)  # major.minor releases this module was written for
+SUPPORTED_TORCHTITAN = ((0, 2), (0, 3))  # major.minor releases this module was written for
 
 
 class TorchtitanIntegrationError(RuntimeError):
@@ -57,9 +71,9 @@ def check_torchtitan_version(version: str) -> tuple[int, int]:
         supported = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_TORCHTITAN)
         raise TorchtitanIntegrationError(
             f"cce_compile.integrations.torchtitan supports torchtitan {supported}; installed "
-            f"torchtitan {version}. Run with torchtitan's own model name (without "
-            "--experimental.custom_import cce_compile.integrations.torchtitan), or install "
-            "torchtitan==0.2.2."
+            f"torchtitan {version}. Run torchtitan without cce_compile's hook (no "
+            "--experimental.custom_import / --override.imports cce_compile.integrations."
+            "torchtitan...), or install torchtitan==0.2.2 (0.3.0 with torch >= 2.12)."
         )
     return found
 
@@ -200,15 +214,114 @@ def register(base: str = "llama3") -> str:
     return name
 
 
-def _on_import() -> None:
+def _installed_version() -> tuple[int, int]:
     try:
         import torchtitan
     except ImportError as exc:
         raise TorchtitanIntegrationError(
             f"cce_compile.integrations.torchtitan needs torchtitan importable: {exc}"
         ) from exc
-    check_torchtitan_version(torchtitan.__version__)
+    return check_torchtitan_version(torchtitan.__version__)
+
+
+TORCHTITAN = _installed_version()
+
+if TORCHTITAN == (0, 2):
     register("llama3")
 
+if TORCHTITAN == (0, 3):
+    from dataclasses import dataclass
+    from typing import Any
 
-_on_import()
+    from torchtitan.components.loss import BaseLoss, ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.config import override
+
+    class FusedLoss(ChunkedLossWrapper):
+        """torchtitan 0.3 loss: sum over non-ignored tokens of CE(lm_head(hidden), labels),
+        divided by ``global_valid_tokens``, in one fused op (no logits).
+
+        A ``ChunkedLossWrapper`` only so that the trainer hands it the head (``set_lm_head``)
+        and sets the model's ``_skip_lm_head``; nothing is chunked."""
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(ChunkedLossWrapper.Config):
+            global_vocab_size: int | None = None
+            """The whole vocabulary (from torchtitan's CrossEntropyLoss config): a head with
+            fewer rows is a tensor-parallel shard, which is refused."""
+
+        def __init__(self, config: Config, *, compile_config=None):
+            # Not ChunkedLossWrapper.__init__: it builds an inner loss that is never used.
+            self.num_chunks = 1
+            self.loss_fn = None
+            self.lm_head = None
+            self.global_vocab_size = config.global_vocab_size
+            self._said = False
+
+        def __call__(
+            self,
+            pred: torch.Tensor,
+            labels: torch.Tensor,
+            global_valid_tokens: torch.Tensor | None = None,
+            **loss_inputs: Any,
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            head = self.lm_head
+            if head is None:
+                raise TorchtitanIntegrationError("the trainer did not set the lm_head")
+            loss = _through_head(head, pred, labels, self.global_vocab_size)
+            if not self._said:
+                self._said = True
+                log.info(
+                    "cce_compile: torchtitan loss fused (no logits): head %s, hidden %s",
+                    _describe(head.weight),
+                    _describe(pred),
+                )
+            if global_valid_tokens is not None:
+                loss = loss / global_valid_tokens
+            return loss, {}
+
+    def _through_head(head: nn.Module, hidden, labels, vocab: int | None) -> torch.Tensor:
+        """The summed fused loss computed inside ``head``'s own call, its ``forward`` swapped
+        for the duration: FSDP2's hooks on the head (unshard, and in the backward the
+        re-gather and the reduce-scatter of its gradient) run as for torchtitan's loss."""
+
+        def fused_forward(module, hidden, labels):
+            _refuse_tensor_parallel(module, vocab)
+            return linear_cross_entropy(hidden, module.weight, labels, module.bias, reduction="sum")
+
+        saved = head.__dict__.get("forward")
+        head.forward = fused_forward.__get__(head)
+        try:
+            return head(hidden, labels)
+        finally:
+            if saved is None:
+                del head.forward
+            else:
+                head.forward = saved
+
+    def _refuse_tensor_parallel(head: nn.Module, vocab: int | None) -> None:
+        from torch.distributed.tensor import DTensor
+
+        weight = head.weight
+        full = vocab if vocab is not None else getattr(head, "out_features", weight.shape[0])
+        if isinstance(weight, DTensor) or weight.shape[0] != full:
+            raise TorchtitanIntegrationError(
+                f"the lm_head is sharded for tensor parallelism ({type(weight).__name__} "
+                f"{tuple(weight.shape)}, vocabulary {full}): cce_compile's torchtitan 0.3 loss "
+                "does not support it yet; run TP without --override.imports ...cce_loss"
+            )
+
+    @override(
+        target=BaseLoss.Config,
+        fqns=["loss"],
+        description="cce_compile: fused lm_head + cross-entropy (no logits)",
+    )
+    def cce_loss(config: BaseLoss.Config) -> FusedLoss.Config:
+        """Replace torchtitan's CrossEntropyLoss (plain, or inside a ChunkedLossWrapper) at
+        ``loss``; any other loss is refused (the op computes a cross-entropy only)."""
+        inner = config.loss_fn if type(config) is ChunkedLossWrapper.Config else config
+        if type(inner) is not CrossEntropyLoss.Config:
+            raise TorchtitanIntegrationError(
+                "cce_loss replaces torchtitan's CrossEntropyLoss; this config's loss is "
+                f"{type(inner).__qualname__}"
+            )
+        return FusedLoss.Config(global_vocab_size=inner.global_vocab_size)

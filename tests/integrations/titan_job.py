@@ -1,5 +1,6 @@
-"""torchtitan 0.2.2 runs for the tests: the files a run reads (written, nothing downloaded) and
-a runner that starts ``titan_cpu_train.py`` under torchrun and parses the logged steps."""
+"""torchtitan runs for the tests (0.2.2, or 0.3.0 where installed): the files a run reads
+(written, nothing downloaded) and a runner that starts ``titan_cpu_train.py`` under torchrun and
+parses the logged steps."""
 
 from __future__ import annotations
 
@@ -11,26 +12,51 @@ import re
 import subprocess
 import sys
 
+import torchtitan
+
+RELEASE = ".".join(torchtitan.__version__.split(".")[:2])
 LAUNCHER = pathlib.Path(__file__).with_name("titan_cpu_train.py")
-FUSED_FLAGS = (
-    "--experimental.custom_import",
-    "cce_compile.integrations.torchtitan",
-    "--model.name",
-    "llama3_cce",
-)
 FUSED_LOG_LINE = "cce_compile: torchtitan loss fused"
-LAYOUTS = {  # name -> (processes, trainer flags)
-    "fsdp2": (2, ("--parallelism.data_parallel_shard_degree", "2")),
-    "tp2": (
-        2,
-        (
-            "--parallelism.tensor_parallel_degree",
-            "2",
-            "--parallelism.data_parallel_shard_degree",
-            "1",
-        ),
+# 0.2.2: a TOML job config, the TrainSpec hook; flags with underscores.
+FLAGS_02 = {
+    "base": ("--job.config_file", "job.toml"),
+    "fused": (
+        "--experimental.custom_import", "cce_compile.integrations.torchtitan",
+        "--model.name", "llama3_cce",
     ),
-}
+    "fsdp2": ("--parallelism.data_parallel_shard_degree", "2"),
+    "tp2": (
+        "--parallelism.tensor_parallel_degree", "2",
+        "--parallelism.data_parallel_shard_degree", "1",
+    ),
+}  # fmt: skip
+# 0.3.0: a registered config function, overrides; flags with dashes. Its debug model (dim 256,
+# 6 layers, V 2048) at a short sequence, float32 parameters, FlexAttention evaluated densely.
+FLAGS_03 = {
+    "base": (
+        "--module", "llama3", "--config", "llama3_debugmodel",
+        "--training.steps", "3", "--training.local-batch-size", "2", "--training.seq-len", "64",
+        "--training.mixed-precision-param", "float32", "--validator.no-enable",
+        "--checkpoint.no-enable", "--debug.seed", "0", "--metrics.disable-color-printing",
+    ),
+    "attention": ("titan_cpu_attention.cpu_flex_attention",),
+    "fused": ("cce_compile.integrations.torchtitan.cce_loss",),
+    # (0.3.0's default spmd_types backend wants every parameter a DTensor on the full mesh:
+    # its CPU FSDP2 run fails, unfused too)
+    "fsdp2": (
+        "--parallelism.data-parallel-shard-degree", "2",
+        "--parallelism.spmd-backend", "partial_dtensor",
+    ),
+    # the [norm, lm_head] unit resharded after the norm's forward: the loss must go through the
+    # head for FSDP2 to gather it again
+    "fsdp2-reshard-always": (
+        "--parallelism.data-parallel-shard-degree", "2",
+        "--parallelism.spmd-backend", "partial_dtensor",
+        "--parallelism.fsdp-reshard-after-forward", "always",
+    ),
+}  # fmt: skip
+# (0.3's hook refuses TP; 0.2's refuses reshard-after-forward 'always')
+LAYOUTS = ("fsdp2", "tp2") if RELEASE == "0.2" else ("fsdp2", "fsdp2-reshard-always")
 STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.eE+na]+)\s+grad_norm:\s*([-\d.eE+na]+)")
 TIMEOUT_S = 300
 
@@ -46,7 +72,7 @@ disable_color_printing = true
 [model]
 name = "llama3"
 flavor = "cputest"
-hf_assets_path = "./tokenizer"
+hf_assets_path = "./tests/assets/tokenizer"
 
 [optimizer]
 name = "AdamW"
@@ -62,7 +88,7 @@ seq_len = 64
 max_norm = 1.0
 steps = 3
 dataset = "c4_test"
-dataset_path = "./data"
+dataset_path = "./tests/assets/c4_test"
 mixed_precision_param = "float32"
 
 [parallelism]
@@ -90,23 +116,24 @@ SPECIALS = ["<unk>", "<|begin_of_text|>", "<|end_of_text|>"]
 
 
 def write_assets(workdir: pathlib.Path, documents: int = 200) -> None:
-    """job.toml, a word-level tokenizer with Llama 3's special-token names, and a JSON-lines
-    c4_test-style dataset, all under ``workdir``."""
+    """job.toml (0.2.2), a word-level tokenizer with Llama 3's special-token names and a
+    JSON-lines c4_test-style dataset, under ``workdir`` where both releases look for them."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     rng = random.Random(0)
     (workdir / "job.toml").write_text(JOB_TOML)
-    (workdir / "data").mkdir(parents=True, exist_ok=True)
-    with (workdir / "data" / "data.json").open("w") as f:
+    data, tokenizer_dir = workdir / "tests/assets/c4_test", workdir / "tests/assets/tokenizer"
+    data.mkdir(parents=True, exist_ok=True)
+    with (data / "data.json").open("w") as f:
         for _ in range(documents):
             words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 120)))
             f.write(json.dumps({"text": words}) + "\n")
     vocab = {token: i for i, token in enumerate(SPECIALS + WORDS)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    (workdir / "tokenizer").mkdir(exist_ok=True)
-    tokenizer.save(str(workdir / "tokenizer" / "tokenizer.json"))
-    (workdir / "tokenizer" / "tokenizer_config.json").write_text(
+    tokenizer_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(tokenizer_dir / "tokenizer.json"))
+    (tokenizer_dir / "tokenizer_config.json").write_text(
         json.dumps(
             {
                 "bos_token": "<|begin_of_text|>",
@@ -118,22 +145,25 @@ def write_assets(workdir: pathlib.Path, documents: int = 200) -> None:
     )
 
 
+def trainer_flags(layout: str, *, fused: bool) -> list[str]:
+    if RELEASE == "0.2":
+        return [*FLAGS_02["base"], *FLAGS_02[layout], *(FLAGS_02["fused"] if fused else ())]
+    overrides = [*FLAGS_03["attention"], *(FLAGS_03["fused"] if fused else ())]
+    return [*FLAGS_03["base"], *FLAGS_03[layout], "--override.imports", *overrides]
+
+
 def train(workdir: pathlib.Path, layout: str, *, fused: bool) -> tuple[list[tuple], str]:
     """One torchtitan run: ([(loss, grad_norm) per step], its log). Raises with the log's tail
     when the run fails."""
-    processes, flags = LAYOUTS[layout]
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        str(processes),
+        "2",
         str(LAUNCHER),
-        "--job.config_file",
-        "job.toml",
-        *flags,
-        *(FUSED_FLAGS if fused else ()),
+        *trainer_flags(layout, fused=fused),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(
