@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# The demo's corpus cache (its --cache-dir default).
+DEMO_CACHE ?= $(HOME)/.cache/cce_compile
 
 .PHONY: install test demo lint clean
 
@@ -34,5 +36,9 @@ lint: install
 	$(PY) -m ruff check cce_compile tests bench examples
 	$(PY) -m ruff format --check cce_compile
 
+# What the targets above create: the venv, the tools' caches, the demo's results (demo_out/,
+# its --out default) and its tokenised corpus.
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache demo_out
+	rm -f $(DEMO_CACHE)/stdlib-*.pt
+	rmdir $(DEMO_CACHE) 2>/dev/null || true

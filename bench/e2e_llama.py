@@ -7,6 +7,15 @@ events and reads the peak of torch's allocator over the timed steps. Writes ``e2
 ``e2e.md`` (with GPU, torch, triton and transformers versions) into ``--out``.
 
     python bench/e2e_llama.py --out bench/results/e2e          # compile, cce (default), cce lean
+    python bench/e2e_llama.py --layers 16 --batch 4 --labels sft50 --variants compile,cce
+    python bench/e2e_llama.py --layers 16 --batch 4 --lora --variants compile,cce
+    python bench/e2e_llama.py --layers 16 --cap-gib 20 --variants compile,cce   # largest batch
+
+``--labels sft50`` masks the first half of every sequence's labels (-100), as supervised
+fine-tuning masks its prompts; ``--lora`` trains LoRA adapters (peft, rank 16 on every
+projection) with the base model and the head frozen, or, without peft, freezes every matrix
+and the head and trains the norms; ``--cap-gib`` caps the allocator and searches, per variant,
+the largest batch (in steps of 2) that trains under it, and its tokens/s.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ VARIANTS = {
     "cce": ("cce", {}),
     "cce_lean": ("cce", {"mode": "lean"}),
     "cce_fast": ("cce", {"mode": "fast"}),
+    "cce_every_row": ("cce", {"skip_ignored": False}),  # no compaction, no host sync
 }
 
 
@@ -49,54 +59,94 @@ def build_model(args):
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).cuda()
+    if args.lora:
+        model = _with_lora(model)
     model.train()
     return model
 
 
-def batch(args, step):
+def _with_lora(model):
+    """LoRA adapters on every projection, base and head frozen (peft); without peft, every
+    matrix and the head frozen and the norms trained."""
+    try:
+        import peft
+    except ImportError:
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_("norm" in name)
+        return model
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0)
+    return peft.get_peft_model(model, config)
+
+
+def batch(args, step, size=None):
     gen = torch.Generator(device="cuda").manual_seed(step)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=gen)
-    return ids, ids.clone()
+    size = size or args.batch
+    ids = torch.randint(0, args.vocab, (size, args.seq), device="cuda", generator=gen)
+    labels = ids.clone()
+    if args.labels == "sft50":  # the prompt half of every sequence carries no loss
+        labels[:, : args.seq // 2] = -100
+    return ids, labels
 
 
-def run_variant(name, args):
+def _training(name, args):
+    """(train_step(step, batch_size) -> loss, settings) for a variant: model, optimizer and
+    the compiled loss step, built from the same seed for every variant."""
     import cce_compile
 
     backend, settings = VARIANTS[name]
     torch._dynamo.reset()
     model = build_model(args)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=True)
 
     def loss_of(ids, labels):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             return model(input_ids=ids, labels=labels).loss
 
     # The backend object, not its name: a source tree has no entry point registering "cce".
-    step_fn = torch.compile(loss_of, backend=cce_compile.backend if backend == "cce" else backend)
+    step_fn = torch.compile(
+        loss_of,
+        backend=cce_compile.backend if backend == "cce" else backend,
+        dynamic=True if args.cap_gib else None,  # one graph for every batch size tried
+    )
 
-    def train_step(i):
-        ids, labels = batch(args, i)
+    def train_step(i, size=None):
+        ids, labels = batch(args, i, size)
         loss = step_fn(ids, labels)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss
 
+    return train_step, settings
+
+
+def _timed(train_step, first: int, steps: int, size=None) -> tuple[list[float], list[float]]:
+    """(CUDA-event step times in ms, losses) of ``steps`` steps from step ``first``."""
+    times, losses = [], []
+    for i in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = train_step(first + i, size)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+        losses.append(loss.item())
+    return times, losses
+
+
+def run_variant(name, args):
+    import cce_compile
+
+    train_step, settings = _training(name, args)
     with cce_compile.config.override(**settings):
         started = time.perf_counter()
         losses = [train_step(i).item() for i in range(args.warmup)]
         compile_s = time.perf_counter() - started
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        times = []
-        for i in range(args.steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            loss = train_step(args.warmup + i)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-            losses.append(loss.item())
+        times, timed_losses = _timed(train_step, args.warmup, args.steps)
         peak = torch.cuda.max_memory_allocated()
     rewritten = dict(torch._dynamo.utils.counters["cce_compile"])
     step_ms = statistics.median(times)
@@ -106,8 +156,42 @@ def run_variant(name, args):
         "tokens_per_s": args.batch * args.seq / step_ms * 1e3,
         "peak_gib": peak / GiB,
         "first_steps_s": compile_s,
-        "losses": losses,
+        "losses": losses + timed_losses,
         "cce_counters": rewritten,
+    }
+
+
+def run_capped(name, args):
+    """The largest batch (steps of 2) that trains under ``--cap-gib``, and the best tokens/s
+    over the batches that fit."""
+    import cce_compile
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total))
+    train_step, settings = _training(name, args)
+    fits: dict[int, float] = {}
+    try:
+        with cce_compile.config.override(**settings):
+            size = 2
+            while size <= args.max_batch:
+                try:
+                    train_step(0, size)  # warm-up (and the one compile)
+                    times, _ = _timed(train_step, 1, 3, size)
+                except torch.OutOfMemoryError:
+                    break
+                fits[size] = size * args.seq / statistics.median(times) * 1e3
+                size += 2
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    best = max(fits, key=fits.get) if fits else None
+    return {
+        "cap_gib": args.cap_gib,
+        "max_batch": max(fits) if fits else 0,
+        "tokens_per_s_by_batch": fits,
+        "best_batch": best,
+        "tokens_per_s": fits.get(best, 0.0),
     }
 
 
@@ -124,7 +208,35 @@ def environment():
     }
 
 
+def markdown_capped(results):
+    env, args = results["environment"], results["args"]
+    base = results["variants"].get("compile", {})
+    lines = [
+        f"GPU: {env['gpu']} · torch {env['torch']} · triton {env['triton']} · "
+        f"transformers {env['transformers']}",
+        "",
+        f"HF Llama: {args['layers']} layers, hidden {args['hidden']}, V {args['vocab']}; "
+        f"sequences of {args['seq']} tokens, labels {args['labels']}, lora {args['lora']}; "
+        f"allocator capped at {args['cap_gib']} GiB; batches in steps of 2.",
+        "",
+        "| variant | largest batch | best batch | tokens/s there | x compile's best |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in results["variants"].items():
+        if "error" in r:
+            lines.append(f"| {name} | {r['error'][:100]} ||||")
+            continue
+        ratio = r["tokens_per_s"] / base["tokens_per_s"] if base.get("tokens_per_s") else None
+        lines.append(
+            f"| {name} | {r['max_batch']} | {r['best_batch']} | {r['tokens_per_s']:,.0f} | "
+            f"{'-' if ratio is None else f'{ratio:.3f}'} |"
+        )
+    return "\n".join(lines)
+
+
 def markdown(results):
+    if results["args"]["cap_gib"]:
+        return markdown_capped(results)
     env, args = results["environment"], results["args"]
     logits_gib = args["batch"] * args["seq"] * args["vocab"] * 2 / GiB
     base = results["variants"].get("compile", {})
@@ -133,8 +245,9 @@ def markdown(results):
         f"transformers {env['transformers']}",
         "",
         f"HF Llama: {args['layers']} layers, hidden {args['hidden']}, V {args['vocab']}; "
-        f"{args['batch']} x {args['seq']} tokens; bf16 autocast, float32 weights, fused AdamW; "
-        f"median of {args['steps']} steps. bf16 logits: {logits_gib:.2f} GiB.",
+        f"{args['batch']} x {args['seq']} tokens, labels {args['labels']}, lora {args['lora']}; "
+        f"bf16 autocast, float32 weights, fused AdamW; median of {args['steps']} steps. "
+        f"bf16 logits: {logits_gib:.2f} GiB.",
         "",
         "| variant | step ms | tokens/s | x compile | peak GiB | saved vs compile | "
         "saved / bf16 logits | first steps s | rewritten |",
@@ -169,6 +282,10 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--labels", choices=("all", "sft50"), default="all")
+    parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--cap-gib", type=float, default=None)
+    parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--out", default="bench/results/e2e")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out)
@@ -176,7 +293,8 @@ def main(argv=None):
     results = {"environment": environment(), "args": vars(args), "variants": {}}
     for name in args.variants.split(","):
         try:
-            results["variants"][name] = run_variant(name, args)
+            run = run_capped if args.cap_gib else run_variant
+            results["variants"][name] = run(name, args)
         except Exception as exc:  # one variant failing must not lose the others
             results["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         with contextlib.suppress(Exception):

@@ -125,9 +125,9 @@ def compact(args: Bound, selection: Selection, **row_values: torch.Tensor | None
     return args.replace(**changes)
 
 
-def expand_rows(values: torch.Tensor, selection: Selection) -> torch.Tensor:
-    """(n, ...) values of the kept rows -> (N, ...), zeros at the skipped rows."""
-    out = values.new_zeros((selection.n_rows, *values.shape[1:]))
+def expand_rows(values: torch.Tensor, selection: Selection, fill: float = 0) -> torch.Tensor:
+    """(n, ...) values of the kept rows -> (N, ...), ``fill`` at the skipped rows."""
+    out = values.new_full((selection.n_rows, *values.shape[1:]), fill)
     return out.index_copy_(0, selection.index, values)
 
 

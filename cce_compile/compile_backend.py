@@ -11,6 +11,13 @@ name, which would replace the function ``cce_compile.backend`` with the module.)
 higher-order ops such as activation checkpointing. Importing it makes Dynamo ignore
 transformers' once-only logging calls, which would otherwise break the graph between lm_head
 and the loss (``passes/tracing.py`` says how and for how long).
+
+A bad setting in the environment (``CCE_MODE=turbo``) is raised when this module is imported:
+when ``torch.compile(..., backend="cce")`` looks the backend up, or when the code names
+``cce_compile.backend``. Raised from inside the backend, Dynamo would wrap it in its
+``BackendCompilerFailed`` and bury its one line under some 40 lines of Dynamo's frames and
+notes; here the traceback ends with it. The environment is read once and ``config.update``
+checks what it is given, so the settings cannot go bad after this point.
 """
 
 from __future__ import annotations
@@ -19,8 +26,16 @@ from typing import Any
 
 import torch
 
-from .passes import tracing
-from .passes.graph_pass import run_on_module
+from . import config
+
+try:
+    config.get()
+except config.SettingsError as error:
+    # Without the frames of config.py's reading of the environment, at import time.
+    raise error.with_traceback(None) from None
+
+from .passes import tracing  # noqa: E402  (after the check: no side effects on a bad setting)
+from .passes.graph_pass import run_on_module  # noqa: E402
 
 
 def backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any):

@@ -1,124 +1,80 @@
-"""Running the ops' implementations: which one, under which numerics, and how fast mode's
-precomputed gradients combine with recomputed ones.
+"""The ops' dispatcher: forward and backward of both ops, on the rows that count.
 
-The op's kernels (``ops``) hand their bound arguments here. CUDA with Triton runs
-``triton_path``; every other device runs ``torch_path``. Both always compute in float32 from
-the inputs they are given: autocast is switched off around them, so an enclosing autocast
-region neither changes their dtypes nor mixes precisions between forward and backward (the
-public function and the graph pass apply autocast's casts to the inputs instead).
+The op's kernels (``ops``, ``distributed.ops``) hand their bound arguments here. Each call:
+
+1. is planned by ``call_plan`` (implementation, autocast off, compute dtype, budget, needs);
+2. runs on the rows whose target counts (``compaction``: ignored rows are skipped, and the
+   backward gathers the same rows as its forward);
+3. computes the loss from per-row statistics (``loss_math``) — or, in fast mode, also the
+   gradients for a unit upstream gradient, which the backward only scales;
+4. recomputes in the backward what fast mode's buffers do not hold (the lean path).
+
+The vocabulary-parallel op (``distributed.vocab_parallel``) brings its own per-row step (each
+rank's statistics, combined over the group) to ``on_kept_rows`` and ``recompute``, so the
+compaction, the coefficients and the casts are written once for both ops.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import math
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import torch
 
-from . import compaction, config, filtering, policy, torch_path
-from .interface import ForwardOut, Gradients, Implementation, Needs
-from .loss_math import (
-    LossSpec,
-    check_targets_in_range,
-    finish_loss,
-    returned_lse,
-    row_coefficients,
-    row_targets,
+from . import compaction, filtering
+from .call_plan import (
+    budget_of,
+    check_targets,
+    compute_dtype_of,
+    float32_math,
+    implementation_for,
+    needs_of,
 )
+from .interface import Coefficients, ForwardOut, Gradients, Implementation, Needs
+from .loss_math import LossSpec, finish_loss, returned_lse, row_coefficients, row_targets
 from .op_signature import Bound
 
-
-@functools.cache
-def _triton_path() -> Implementation | None:
-    """The Triton implementation, or None where Triton cannot run."""
-    try:
-        from . import triton_path
-    except ImportError:
-        return None
-    return triton_path if triton_path.available() else None
-
-
-def implementation_for(device: torch.device) -> Implementation:
-    if device.type == "cuda":
-        impl = _triton_path()
-        if impl is not None:
-            return impl
-    return torch_path
-
-
-def problem_of(hidden, classifier, shift: int, compute_dtype) -> policy.Problem:
-    """What the memory policy needs to know about a call: hidden (..., T, D)."""
-    leading = hidden.shape[:-1]
-    rows = (math.prod(leading) // max(leading[-1], 1)) * (leading[-1] - shift) if leading else 1
-    dtype = compute_dtype or hidden.dtype
-    return policy.Problem(
-        rows=rows,
-        vocab=classifier.shape[0],
-        dim=classifier.shape[1],
-        logit_bytes=dtype.itemsize,
-        rounds_inputs=compute_dtype is not None
-        and any(d != compute_dtype for d in (hidden.dtype, classifier.dtype)),
-    )
-
-
-def budget_bytes(problem: policy.Problem) -> int:
-    """The extra memory the settings give this problem (policy.py)."""
-    settings = config.get()
-    return policy.budget_bytes(problem, settings.memory_budget_mb, settings.memory_fraction)
-
-
-def check_targets(targets, class_weights, spec: LossSpec, vocab: int) -> None:
-    """PyTorch's error for out-of-range targets, where checking costs no device sync."""
-    if targets.device.type == "cpu" or config.get().check_targets:
-        check_targets_in_range(row_targets(targets, class_weights, spec, vocab), vocab)
-
-
-@contextlib.contextmanager
-def float32_math(device: torch.device) -> Iterator[None]:
-    """Autocast off for ``device`` inside the block (the implementations pick dtypes)."""
-    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
-        with torch.autocast(device.type, enabled=False):
-            yield
-    else:
-        yield
-
-
-def needs_of(args: Bound) -> Needs:
-    return Needs(args.grad_hidden, args.grad_classifier, args.grad_bias and args.bias is not None)
+# forward_rows(args, budget) -> ForwardOut, on every row of ``args``.
+ForwardRows = Callable[[Bound, int], ForwardOut]
+# gradients_rows(args, needs, budget) -> gradients in the inputs' dtypes, on every row.
+GradientRows = Callable[[Bound, Needs, int], Gradients]
 
 
 def forward(args: Bound) -> ForwardOut:
     """Loss and per-row lse; fast mode also its unit-gradient buffers, lean mode with
     filtering the mask of blocks its backward computes; with ``skip_ignored`` the rows it
     computed on (compaction.py)."""
-    spec = args.spec()
-    vocab = args.classifier.shape[0]
-    check_targets(args.targets, args.class_weights, spec, vocab)
-    budget = _budget_of(args)
+    check_targets(args.targets, args.class_weights, args.spec(), args.classifier.shape[0])
+    return on_kept_rows(args, _forward_rows)
+
+
+def on_kept_rows(args: Bound, forward_rows: ForwardRows) -> ForwardOut:
+    """``forward_rows`` on the rows whose target counts (all rows without ``skip_ignored``),
+    its per-row outputs given back for every row, and those rows in ``row_index``."""
+    budget = budget_of(args)
     selection = compaction.select(args)
     if selection is None or not selection.compacted:
-        out = _forward_rows(args, budget)
+        out = forward_rows(args, budget)
     else:
         compact = compaction.compact(args, selection)
-        out = _forward_rows(compact, budget - compaction.copy_bytes(args, selection))
+        out = forward_rows(compact, budget - compaction.copy_bytes(args, selection))
         out = _expanded(out, selection, args)
     out.row_index = None if selection is None else selection.index
     return out
 
 
 def _forward_rows(args: Bound, budget: int) -> ForwardOut:
-    """``forward`` on every row of ``args``."""
+    """The single-device forward on every row of ``args``."""
     spec = args.spec()
     vocab = args.classifier.shape[0]
     impl = implementation_for(args.hidden.device)
+    needs = needs_of(args)
     rows = row_targets(args.targets, args.class_weights, spec, vocab)
     tensors = (args.hidden, args.classifier, args.targets, args.bias, args.class_weights)
-    sizing = dict(budget_bytes=budget, compute_dtype=_compute_dtype(args))
+    sizing = dict(budget_bytes=budget, compute_dtype=compute_dtype_of(args))
     with float32_math(args.hidden.device):
-        if args.mode == "fast" and needs_of(args).any:
-            out = impl.fast_forward(*tensors, spec, rows, needs=needs_of(args), **sizing)
+        if args.mode == "fast" and needs.any:
+            metrics = dict(entropy=args.return_entropy, argmax=args.return_argmax)
+            out = impl.fast_forward(*tensors, spec, rows, needs=needs, **sizing, **metrics)
             lse = out.lse
         else:
             beta = args.grad_filter if _filtered(args, spec) else None
@@ -128,15 +84,24 @@ def _forward_rows(args: Bound, budget: int) -> ForwardOut:
                 col_start=0,
                 all_rows=args.lse_all_rows,
                 block_lse=beta is not None,
+                mean_z=args.return_entropy,
+                argmax=args.return_argmax,
                 **sizing,
             )
             lse = stats.lse
             out = ForwardOut(
                 finish_loss(lse, stats.target_logit, stats.wsum, rows, spec, vocab), lse
             )
+            out.entropy = None if stats.mean_z is None else lse - stats.mean_z
+            out.argmax = stats.argmax
             if beta is not None:
                 out.keep_blocks = filtering.keep_blocks(stats.block_lse, lse, rows.targets, beta)
     out.lse = returned_lse(lse, rows, args.lse_all_rows)
+    # Metrics of the rows that count (the kernels may skip ignored rows' tiles).
+    if out.entropy is not None:
+        out.entropy = torch.where(rows.valid, out.entropy, 0.0)
+    if out.argmax is not None:
+        out.argmax = torch.where(rows.valid, out.argmax, -1)
     if out.grad_hidden is not None:  # the op returns it in hidden's own dtype
         out.grad_hidden = out.grad_hidden.to(args.hidden.dtype)
     return out
@@ -147,6 +112,10 @@ def _expanded(out: ForwardOut, selection: compaction.Selection, args: Bound) -> 
     if args.reduction == "none":
         out.loss = compaction.expand_rows(out.loss, selection)
     out.lse = compaction.expand_rows(out.lse, selection)
+    if out.entropy is not None:
+        out.entropy = compaction.expand_rows(out.entropy, selection)
+    if out.argmax is not None:
+        out.argmax = compaction.expand_rows(out.argmax, selection, fill=-1)
     if out.keep_blocks is not None:
         out.keep_blocks = compaction.expand_rows(out.keep_blocks, selection)
     if out.grad_hidden is not None:
@@ -173,20 +142,6 @@ def _filtered(args: Bound, spec: LossSpec) -> bool:
     return filters(args)
 
 
-def _budget_of(args: Bound) -> int:
-    problem = problem_of(args.hidden, args.classifier, args.shift, _compute_dtype(args))
-    return budget_bytes(problem)
-
-
-def _compute_dtype(args: Bound) -> torch.dtype | None:
-    """The compute dtype where it rounds an input (None where every input has it)."""
-    dtype = args.compute_dtype
-    inputs = (args.hidden, args.classifier, args.bias)
-    if dtype is None or all(t is None or t.dtype == dtype for t in inputs):
-        return None
-    return dtype
-
-
 def backward(args: Bound) -> Gradients:
     """Gradients in the backward op's needs, in the inputs' dtypes (None where not needed).
 
@@ -210,56 +165,87 @@ def backward(args: Bound) -> Gradients:
                     grads[i] = impl.scale_to(buffer, grad_loss, like.dtype)
             grad_loss = None  # consumed
         if grad_loss is not None or args.grad_lse is not None:
-            recomputed = _recomputed(args.replace(grad_loss=grad_loss), impl, needs)
+            recomputed = recompute(args.replace(grad_loss=grad_loss), needs, _lean_gradients)
             for i, extra in enumerate(recomputed):
                 if extra is not None:
                     grads[i] = extra if grads[i] is None else grads[i] + extra
     return grads[0], grads[1], grads[2]
 
 
-def _recomputed(args: Bound, impl: Implementation, needs: Needs) -> Gradients:
-    """The gradients from recomputed logits (lean), in the inputs' dtypes."""
-    budget = _budget_of(args)
+def recompute(args: Bound, needs: Needs, gradients_rows: GradientRows) -> Gradients:
+    """``gradients_rows`` on the rows the forward computed on (``row_index``), hidden's
+    gradient given back for every position (exact zeros at skipped ones)."""
+    budget = budget_of(args)
     selection = compaction.of_backward(args)
     if selection is None or not selection.compacted:
-        return _recomputed_rows(args, impl, needs, budget)
-    per_row = dict(lse=args.lse.reshape(-1), keep_blocks=args.keep_blocks)
+        return gradients_rows(args, needs, budget)
+    per_row = dict(lse=args.lse.reshape(-1))
     per_row["grad_lse"] = None if args.grad_lse is None else args.grad_lse.reshape(-1)
     if args.grad_loss is not None and args.reduction == "none":
         per_row["grad_loss"] = args.grad_loss.reshape(-1)
+    if args.has("keep_blocks"):  # (the vocabulary-parallel op filters nothing)
+        per_row["keep_blocks"] = args.keep_blocks
     compact = compaction.compact(args, selection, **per_row)
     budget -= compaction.copy_bytes(args, selection)
-    grad_hidden, grad_classifier, grad_bias = _recomputed_rows(compact, impl, needs, budget)
+    grad_hidden, grad_classifier, grad_bias = gradients_rows(compact, needs, budget)
     if grad_hidden is not None:
         grad_hidden = compaction.expand_hidden(grad_hidden, selection, args.hidden, args.shift)
     return grad_hidden, grad_classifier, grad_bias
 
 
-def _recomputed_rows(args: Bound, impl: Implementation, needs: Needs, budget: int) -> Gradients:
-    """``_recomputed`` on every row of ``args``."""
+def coefficients(args: Bound, vocab: int) -> tuple[torch.Tensor, Coefficients]:
+    """(lse, per-row coefficients of dz) of a backward call over a vocabulary of ``vocab``
+    classes, flattened to the loss rows (loss_math's module docstring)."""
     spec = args.spec()
     grad_loss = args.grad_loss
     if grad_loss is not None and spec.reduction == "none":
         grad_loss = grad_loss.reshape(-1)
     grad_lse = None if args.grad_lse is None else args.grad_lse.reshape(-1)
-    vocab = args.classifier.shape[0]
     lse = args.lse.reshape(-1)
     rows = row_targets(args.targets, args.class_weights, spec, vocab)
-    coefs = row_coefficients(grad_loss, grad_lse, lse, rows, spec, vocab, args.lse_all_rows)
-    computed = impl.gradients(
-        args.hidden,
-        args.classifier,
-        args.targets,
-        args.bias,
-        args.class_weights,
-        lse,
-        coefs,
-        spec,
-        col_start=0,
-        needs=needs,
-        budget_bytes=budget,
-        compute_dtype=_compute_dtype(args),
-        keep_blocks=args.keep_blocks,
-    )
+    return lse, row_coefficients(grad_loss, grad_lse, lse, rows, spec, vocab, args.lse_all_rows)
+
+
+def lean_gradients(
+    args: Bound,
+    impl: Implementation,
+    needs: Needs,
+    budget: int,
+    lse: torch.Tensor,
+    coefs: Coefficients,
+    *,
+    col_start: int = 0,
+    class_weights: torch.Tensor | None = None,
+) -> Gradients:
+    """The implementation's gradients from recomputed logits of ``args.classifier``'s classes
+    (the vocabulary's [col_start, col_start + V)), before any cast: hidden's in float32."""
+    with float32_math(args.hidden.device):
+        return impl.gradients(
+            args.hidden,
+            args.classifier,
+            args.targets,
+            args.bias,
+            class_weights,
+            lse,
+            coefs,
+            args.spec(),
+            col_start=col_start,
+            needs=needs,
+            budget_bytes=budget,
+            compute_dtype=compute_dtype_of(args),
+            keep_blocks=args.keep_blocks if args.has("keep_blocks") else None,
+        )
+
+
+def in_input_dtypes(grads: Gradients, args: Bound) -> Gradients:
+    """Gradients cast once to the dtypes of hidden, classifier and bias."""
     likes = (args.hidden, args.classifier, args.bias)
-    return tuple(None if g is None else g.to(like.dtype) for g, like in zip(computed, likes))
+    return tuple(None if g is None else g.to(like.dtype) for g, like in zip(grads, likes))
+
+
+def _lean_gradients(args: Bound, needs: Needs, budget: int) -> Gradients:
+    """The single-device op's recomputed gradients on every row of ``args``."""
+    lse, coefs = coefficients(args, args.classifier.shape[0])
+    impl = implementation_for(args.hidden.device)
+    grads = lean_gradients(args, impl, needs, budget, lse, coefs, class_weights=args.class_weights)
+    return in_input_dtypes(grads, args)

@@ -16,7 +16,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from . import config, execution, filtering, torch_path
+from . import call_plan, config, filtering, torch_path
 from . import ops as _ops  # registers torch.ops.cce
 from .loss_math import REDUCTIONS, LossSpec
 from .op_signature import FORWARD
@@ -211,7 +211,7 @@ def _compiled_into_cuda_graphs() -> bool:
     return False
 
 
-def _skips_ignored() -> bool:
+def skips_ignored() -> bool:
     """CCE_SKIP_IGNORED, unless this call is being compiled into CUDA graphs."""
     if not config.get().skip_ignored:
         return False
@@ -259,7 +259,9 @@ def linear_cross_entropy(
     return_lse: bool = False,
     mode: str | None = None,
     grad_filter: float | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+    return_entropy: bool = False,
+    return_argmax: bool = False,
+) -> Tensor | tuple[Tensor, ...]:
     """Cross-entropy of ``hidden @ classifier.T (+ bias)`` against ``targets``, no logits stored.
 
     Equals, value and gradients, the float32 math of::
@@ -293,6 +295,10 @@ def linear_cross_entropy(
         z_loss: adds ``z_loss * lse**2`` per non-ignored row, reduced like the loss (an
             unweighted mean over non-ignored rows for 'mean').
         return_lse: also return the per-row log-sum-exp of the (capped) logits, differentiable.
+        return_entropy: also return each row's entropy of the softmax, lse - sum_j p_j z_j
+            (float32, no gradient: a metric), computed in the same pass; 0 at ignored rows.
+        return_argmax: also return each row's first class of the largest logit (int64, as
+            torch.argmax; token accuracy is ``argmax == targets``); -1 at ignored rows.
         mode: 'lean', 'fast' or 'auto'; None takes the configured mode (CCE_MODE).
         grad_filter: gradient filtering (filtering.py; lean mode): each row may drop the
             softmax term of its lightest blocks of 256 classes up to this much probability
@@ -306,7 +312,8 @@ def linear_cross_entropy(
     Returns:
         The loss (float32): a scalar, or for 'none' shaped like ``targets`` with the time
         dimension shortened by ``shift`` (0 at ignored rows). With ``return_lse``, also the
-        per-row lse (float32, same shape as a 'none' loss, valid at ignored rows too).
+        per-row lse (float32, same shape as a 'none' loss, valid at ignored rows too); then,
+        in this order, the entropy and the argmax where asked (same shape).
     """
     _validate_tensors(hidden, classifier, targets, bias, class_weights)
     _validate_options(
@@ -334,6 +341,11 @@ def linear_cross_entropy(
     rows_shape = leading[:-1] + (time - shift,) if leading else ()
 
     route = _autograd_route((hidden, classifier, bias), logit_scale, softcap)
+    if route is not None and (return_entropy or return_argmax):
+        raise NotImplementedError(
+            f"return_entropy / return_argmax are not served under {route}: call "
+            "linear_cross_entropy without them there, or compute the metrics outside it"
+        )
     if route is None:
         logit_scale, softcap = (
             _as_number("logit_scale", logit_scale),
@@ -354,7 +366,8 @@ def linear_cross_entropy(
         if not (_transform_route(targets2) or torch.compiler.is_compiling()):
             # (batched targets under vmap, and targets in a compiled graph, cannot branch on
             # their values: out-of-range targets then fail in the gather or give NaN rows)
-            execution.check_targets(targets2, class_weights, spec, classifier.shape[0])
+            call_plan.check_targets(targets2, class_weights, spec, classifier.shape[0])
+        entropy = argmax = None  # (refused above on this route)
         loss, lse = torch_path.differentiable_loss(
             hidden3,
             classifier,
@@ -363,38 +376,43 @@ def linear_cross_entropy(
             class_weights,
             spec,
             lse_all_rows=return_lse,
-            budget_bytes=execution.budget_bytes(
-                execution.problem_of(hidden3, classifier, shift, compute_dtype)
+            budget_bytes=call_plan.budget_bytes(
+                call_plan.problem_of(hidden3, classifier, shift, compute_dtype)
             ),
             compute_dtype=compute_dtype,
             logit_scale=torch.as_tensor(logit_scale, device=hidden.device),
             softcap=None if softcap is None else torch.as_tensor(softcap, device=hidden.device),
         )
     else:
-        loss, lse = _call_op(
+        loss, lse, entropy, argmax = _call_op(
             (hidden3, classifier, targets2, bias, class_weights),
             compute_dtype,
             options,
             mode=mode,
             return_lse=return_lse,
             grad_filter=None if grad_filter is None else float(grad_filter),
+            metrics=(bool(return_entropy), bool(return_argmax)),
         )
     if reduction == "none":
         loss = loss.reshape(rows_shape)
-    if return_lse:
-        return loss, lse.reshape(rows_shape)
-    return loss
+    extras = [
+        value.reshape(rows_shape)
+        for value, wanted in ((lse, return_lse), (entropy, return_entropy), (argmax, return_argmax))
+        if wanted
+    ]
+    return (loss, *extras) if extras else loss
 
 
-def _call_op(tensors, compute_dtype, options, *, mode, return_lse, grad_filter):
-    """(loss, lse) from ``torch.ops.cce.linear_cross_entropy`` in the chosen mode."""
+def _call_op(tensors, compute_dtype, options, *, mode, return_lse, grad_filter, metrics):
+    """(loss, lse, entropy, argmax) from ``torch.ops.cce.linear_cross_entropy`` in the chosen
+    mode (the last two empty unless ``metrics`` asks for them)."""
     hidden, classifier, targets, bias, class_weights = tensors
     grad_on = torch.is_grad_enabled()
     needs_h = grad_on and hidden.requires_grad
     needs_c = grad_on and classifier.requires_grad
     needs_b = grad_on and bias is not None and bias.requires_grad
     settings = config.get()
-    problem = execution.problem_of(hidden, classifier, options["shift"], compute_dtype)
+    problem = call_plan.problem_of(hidden, classifier, options["shift"], compute_dtype)
     chosen = choose_mode(
         "lean" if grad_filter is not None else mode or settings.mode,
         reduction=options["reduction"],
@@ -402,10 +420,10 @@ def _call_op(tensors, compute_dtype, options, *, mode, return_lse, grad_filter):
         needs_classifier=needs_c,
         lse_has_grad=return_lse and grad_on,
         problem=problem,
-        budget=execution.budget_bytes(problem),
+        budget=call_plan.budget_bytes(problem),
         explicit=mode is not None,
     )
-    loss, lse, *_ = torch.ops.cce.linear_cross_entropy(
+    loss, lse, *_, entropy, argmax = torch.ops.cce.linear_cross_entropy(
         *FORWARD.build(
             hidden=hidden,
             classifier=classifier,
@@ -421,7 +439,9 @@ def _call_op(tensors, compute_dtype, options, *, mode, return_lse, grad_filter):
             grad_bias=needs_b,
             implementation_version=_ops.IMPLEMENTATION_VERSION,
             grad_filter=grad_filter,
-            skip_ignored=_skips_ignored(),
+            skip_ignored=skips_ignored(),
+            return_entropy=metrics[0],
+            return_argmax=metrics[1],
         )
     )
-    return loss, lse
+    return loss, lse, entropy, argmax

@@ -46,6 +46,8 @@ class ForwardOut:
     grad_bias: torch.Tensor | None = None  # fast mode: float32 accumulator (V,)
     keep_blocks: torch.Tensor | None = None  # gradient filtering: (N, blocks) uint8
     row_index: torch.Tensor | None = None  # the rows computed on (compaction.py), int64
+    entropy: torch.Tensor | None = None  # (N,) float32 with ``entropy``: lse - sum_j p_j z_j
+    argmax: torch.Tensor | None = None  # (N,) int64 with ``argmax``: first largest logit
 
 
 Gradients = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -60,6 +62,8 @@ class RowStats:
     target_logit: torch.Tensor  # (N,) float32 z_it, 0 where t is not among the classes
     wsum: torch.Tensor | None  # (N,) float32 sum_j w_j z_ij, with label smoothing only
     block_lse: torch.Tensor | None = None  # (blocks, N) per block of classes (filtering.py)
+    mean_z: torch.Tensor | None = None  # (N,) float32 sum_j p_j z_ij, with ``mean_z``
+    argmax: torch.Tensor | None = None  # (N,) int64 first class of the largest logit
 
 
 class Implementation(Protocol):
@@ -82,9 +86,13 @@ class Implementation(Protocol):
         budget_bytes: int,
         compute_dtype: torch.dtype | None = None,
         block_lse: bool = False,
+        mean_z: bool = False,
+        argmax: bool = False,
     ) -> RowStats:
         """lse, target logit and (with smoothing) weighted sum of each row's logits over the
-        given classes (and with ``block_lse`` per block of classes, for filtering). Without
+        given classes (and with ``block_lse`` per block of classes, for filtering; with
+        ``mean_z`` the mean logit under the softmax, with ``argmax`` the first class of the
+        largest logit, for the op's entropy and argmax outputs). Without
         ``all_rows``, ignored rows' statistics may be skipped. ``classifier`` (and ``bias``,
         ``class_weights``) hold classes [col_start, col_start + V) of the vocabulary that
         ``targets`` index (a vocabulary split over ranks); targets outside that range
@@ -125,9 +133,12 @@ class Implementation(Protocol):
         needs: Needs,
         budget_bytes: int,
         compute_dtype: torch.dtype | None = None,
+        entropy: bool = False,
+        argmax: bool = False,
     ) -> ForwardOut:
         """Fast mode: loss, lse and the gradients in ``needs`` for a unit upstream gradient
-        of the loss, from the same chunks of logits."""
+        of the loss, from the same chunks of logits (and each row's entropy and argmax where
+        asked, every row's: the caller masks ignored ones)."""
 
     def scale_to(self, x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(x * scale).to(dtype) with one rounding; ``scale`` is a 0-d tensor."""

@@ -2,7 +2,7 @@
 
 Everything that builds or reads a call of the ops goes through a :class:`Signature`: the
 schema strings registered with ``torch.library`` (``ops``), the public function and the graph
-rewrite that build calls (``functional``, ``passes.rewrite``), and the autograd formula that
+rewrite that build calls (``functional``, ``passes.plain``), and the autograd formula that
 reads them back. Arguments are looked up by name, never by position. The loss options are the
 fields of :class:`~cce_compile.loss_math.LossSpec`, so a new option is declared there once.
 """
@@ -42,6 +42,10 @@ class Bound:
             return self._values[name]
         except KeyError:
             raise AttributeError(name) from None
+
+    def has(self, name: str) -> bool:
+        """Does the op's signature have this argument?"""
+        return name in self._values
 
     def replace(self, **changes: Any) -> Bound:
         """The same call with some arguments changed (by name)."""
@@ -126,10 +130,15 @@ FORWARD = Signature(
         Argument("grad_filter", "float?", default=None),
         # Compact away rows whose target is ignore_index before computing (compaction.py).
         Argument("skip_ignored", "bool", default=False),
+        # Also each row's entropy of the softmax and first largest logit's class, from the
+        # same pass (no gradient): what a trainer logs (TRL's entropy and token accuracy).
+        Argument("return_entropy", "bool", default=False),
+        Argument("return_argmax", "bool", default=False),
     ]
 )
-# loss, lse, fast_grad_hidden, fast_grad_classifier, fast_grad_bias, keep_blocks, row_index
-FORWARD_RETURNS = "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+# loss, lse, fast_grad_hidden, fast_grad_classifier, fast_grad_bias, keep_blocks, row_index,
+# entropy, argmax
+FORWARD_RETURNS = "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 
 BACKWARD = Signature(
     [

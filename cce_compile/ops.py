@@ -32,9 +32,97 @@ def row_shape(hidden: Tensor, shift: int) -> tuple:
     return (hidden.shape[0], hidden.shape[1] - shift)
 
 
-def _forward(*values) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+# What both ops (this one and distributed.ops's vocabulary-parallel one) share: the rows the
+# forward computed on, the backward op's outputs, which gradients a backward asks for, and
+# the refusal of double backward.
+
+
+def row_index_output(row_index: Tensor | None, hidden: Tensor) -> Tensor:
+    """The forward's ``row_index`` output (compaction.py), empty without ``skip_ignored``."""
+    return row_index if row_index is not None else empty_output(hidden, torch.int64)
+
+
+def row_index_fake(args, hidden: Tensor) -> Tensor:
+    """The fake ``row_index``: its size depends on the targets' values."""
+    if not args.skip_ignored:
+        return empty_output(hidden, torch.int64)
+    return hidden.new_empty((_rows_kept_size(),), dtype=torch.int64)
+
+
+def gradient_outputs(grads, args) -> tuple[Tensor, Tensor, Tensor]:
+    """A backward op's outputs: the gradients, empty placeholders where none was asked for."""
+    likes = (args.hidden, args.classifier, args.classifier)
+    return tuple(g if g is not None else empty_output(like) for g, like in zip(grads, likes))
+
+
+def gradient_outputs_fake(args) -> tuple[Tensor, Tensor, Tensor]:
+    hidden, classifier, bias = args.hidden, args.classifier, args.bias
+    return (
+        hidden.new_empty(hidden.shape) if args.grad_hidden else empty_output(hidden),
+        classifier.new_empty(classifier.shape)
+        if args.grad_classifier
+        else empty_output(classifier),
+        bias.new_empty(bias.shape) if args.grad_bias and bias is not None else empty_output(hidden),
+    )
+
+
+def requested_gradients(ctx, forward) -> dict[str, bool]:
+    """Which of hidden, classifier and bias the backward must differentiate (by name);
+    a class-weights gradient is PyTorch's error, as in F.cross_entropy."""
+    needed = dict(zip(forward.names, ctx.needs_input_grad))
+    if needed["class_weights"]:
+        raise RuntimeError(
+            "the derivative for 'class_weights' is not implemented (as in F.cross_entropy)"
+        )
+    return dict(
+        grad_hidden=needed["hidden"],
+        grad_classifier=needed["classifier"],
+        grad_bias=ctx.has_bias and needed["bias"],
+    )
+
+
+def differentiate(ctx, signatures, backward_op, grad_loss, grad_lse, **saved) -> tuple:
+    """The autograd formula shared by both ops: their backward op on the saved tensors,
+    its gradients returned where requested; signatures: the (forward, backward) pair."""
+    forward, backward = signatures
+    requested = requested_gradients(ctx, forward)
+    if grad_loss is None and grad_lse is None:
+        return forward.gradients()
+    arguments = dict(grad_loss=grad_loss, grad_lse=grad_lse, **saved, **requested, **ctx.passed_on)
+    grads = backward_op(*backward.build(**arguments))
+    return returned_gradients(forward, requested, grads)
+
+
+def returned_gradients(forward, requested: dict[str, bool], grads) -> tuple:
+    """The autograd formula's return value: the computed gradients where requested."""
+    grad_h, grad_c, grad_b = grads
+    return forward.gradients(
+        hidden=grad_h if requested["grad_hidden"] else None,
+        classifier=grad_c if requested["grad_classifier"] else None,
+        bias=grad_b if requested["grad_bias"] else None,
+    )
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "cce_compile.linear_cross_entropy does not support double backward (create_graph=True "
+        "followed by a backward through the gradients, e.g. a gradient penalty): compute that "
+        "loss with F.cross_entropy(F.linear(hidden, classifier), targets) instead"
+    )
+
+
+def refuse_double_backward(backward_op) -> None:
+    """A clear error for a backward through the gradients. Without it, PyTorch's generic "no
+    autograd formula was registered" error would name our backward op rather than what the
+    user did."""
+    backward_op.register_autograd(
+        _no_double_backward, setup_context=lambda ctx, inputs, output: None
+    )
+
+
+def _forward(*values) -> tuple[Tensor, ...]:
     """Returns (loss, lse, fast_grad_hidden, fast_grad_classifier, fast_grad_bias,
-    keep_blocks, row_index).
+    keep_blocks, row_index, entropy, argmax).
 
     ``loss`` is float32, a scalar or (B, T - shift) for reduction 'none'; ``lse`` is float32
     (B, T - shift) (0 at ignored rows unless ``lse_all_rows``). In mode 'fast' the three
@@ -43,7 +131,9 @@ def _forward(*values) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, T
     always empty. ``keep_blocks`` is gradient filtering's (N, blocks) uint8 mask, else empty.
     ``row_index`` (int64) is, with ``skip_ignored``, the loss rows the forward computed on
     (all N of them when it skipped none: compaction.py), else empty; its size depends on the
-    targets' values.
+    targets' values. ``entropy`` (float32) and ``argmax`` (int64), shaped like ``lse``, with
+    ``return_entropy`` / ``return_argmax``: each row's softmax entropy and first largest
+    logit's class (0 and -1 at ignored rows), without gradient; else empty.
     """
     args = FORWARD.bind(values)
     out = execution.forward(args)
@@ -58,7 +148,9 @@ def _forward(*values) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, T
         out.grad_classifier if out.grad_classifier is not None else empty_output(classifier, f32),
         out.grad_bias if out.grad_bias is not None else empty_output(classifier, f32),
         out.keep_blocks if out.keep_blocks is not None else empty_output(classifier, torch.uint8),
-        out.row_index if out.row_index is not None else empty_output(hidden, torch.int64),
+        row_index_output(out.row_index, hidden),
+        out.entropy.view(rows) if out.entropy is not None else empty_output(hidden, f32),
+        out.argmax.view(rows) if out.argmax is not None else empty_output(hidden, torch.int64),
     )
 
 
@@ -102,49 +194,57 @@ def _forward_fake(*values):
         )
         if execution.filters(args)
         else empty_output(classifier, torch.uint8),
-        hidden.new_empty((_rows_kept_size(),), dtype=torch.int64)
-        if args.skip_ignored
+        row_index_fake(args, hidden),
+        hidden.new_empty(rows, dtype=f32) if args.return_entropy else empty_output(hidden, f32),
+        hidden.new_empty(rows, dtype=torch.int64)
+        if args.return_argmax
         else empty_output(hidden, torch.int64),
     )
 
 
-def _backward_op(*values) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients for (hidden, classifier, bias) in their dtypes; empty where not requested."""
-    args = BACKWARD.bind(values)
-    grads = execution.backward(args)
-    likes = (args.hidden, args.classifier, args.classifier)
-    return tuple(g if g is not None else empty_output(like) for g, like in zip(grads, likes))
-
-
-def _backward_fake(*values):
-    args = BACKWARD.bind(values)
-    hidden, classifier, bias = args.hidden, args.classifier, args.bias
-    return (
-        hidden.new_empty(hidden.shape) if args.grad_hidden else empty_output(hidden),
-        classifier.new_empty(classifier.shape)
-        if args.grad_classifier
-        else empty_output(classifier),
-        classifier.new_empty(bias.shape, dtype=bias.dtype)
-        if args.grad_bias and bias is not None
-        else empty_output(classifier),
+def define(
+    name: str,
+    *,
+    forward,
+    forward_fake,
+    forward_signature,
+    forward_returns: str,
+    gradients,
+    backward_signature,
+) -> tuple:
+    """Register an op ``cce::<name>`` and its backward op ``cce::<name>_backward`` (whose
+    kernel computes ``gradients(bound arguments)``, empty where not asked for); returns both.
+    The caller registers the forward's autograd formula; a backward through the backward op
+    is refused (``refuse_double_backward``)."""
+    op = torch.library.custom_op(
+        f"cce::{name}", forward, mutates_args=(), schema=forward_signature.schema(forward_returns)
     )
+    op.register_fake(forward_fake)
+
+    def backward_op(*values) -> tuple[Tensor, Tensor, Tensor]:
+        args = backward_signature.bind(values)
+        return gradient_outputs(gradients(args), args)
+
+    backward = torch.library.custom_op(
+        f"cce::{name}_backward",
+        backward_op,
+        mutates_args=(),
+        schema=backward_signature.schema(BACKWARD_RETURNS),
+    )
+    backward.register_fake(lambda *values: gradient_outputs_fake(backward_signature.bind(values)))
+    refuse_double_backward(backward)
+    return op, backward
 
 
-linear_cross_entropy = torch.library.custom_op(
-    "cce::linear_cross_entropy",
-    _forward,
-    mutates_args=(),
-    schema=FORWARD.schema(FORWARD_RETURNS),
+linear_cross_entropy, linear_cross_entropy_backward = define(
+    "linear_cross_entropy",
+    forward=_forward,
+    forward_fake=_forward_fake,
+    forward_signature=FORWARD,
+    forward_returns=FORWARD_RETURNS,
+    gradients=execution.backward,
+    backward_signature=BACKWARD,
 )
-linear_cross_entropy.register_fake(_forward_fake)
-
-linear_cross_entropy_backward = torch.library.custom_op(
-    "cce::linear_cross_entropy_backward",
-    _backward_op,
-    mutates_args=(),
-    schema=BACKWARD.schema(BACKWARD_RETURNS),
-)
-linear_cross_entropy_backward.register_fake(_backward_fake)
 
 _PASSED_ON = ("compute_dtype", *LOSS_OPTIONS, "lse_all_rows")  # forward -> backward
 
@@ -152,8 +252,9 @@ _PASSED_ON = ("compute_dtype", *LOSS_OPTIONS, "lse_all_rows")  # forward -> back
 def _setup_context(ctx, inputs, output) -> None:
     args = FORWARD.bind(inputs)
     versioning.check(args.implementation_version)
-    loss, lse, fast_h, fast_c, fast_b, keep_blocks, row_index = output
-    ctx.mark_non_differentiable(fast_h, fast_c, fast_b, keep_blocks, row_index)
+    loss, lse, fast_h, fast_c, fast_b, keep_blocks, row_index, entropy, argmax = output
+    # The entropy is a metric: it carries no gradient (TRL's SFT logs it detached).
+    ctx.mark_non_differentiable(fast_h, fast_c, fast_b, keep_blocks, row_index, entropy, argmax)
     ctx.skip_ignored = args.skip_ignored
     ctx.filtered = execution.filters(args)
     # Unused outputs get None, not zeros: fast mode then knows statically that lse carries no
@@ -187,58 +288,25 @@ def _backward(ctx, grad_loss, grad_lse, *_unused):
     (hidden, classifier, targets, bias, class_weights, lse, fast_h, fast_c, fast_b, keep, rows) = (
         ctx.saved_tensors
     )
-    needed = dict(zip(FORWARD.names, ctx.needs_input_grad))
-    if needed["class_weights"]:
-        raise RuntimeError(
-            "the derivative for 'class_weights' is not implemented (as in F.cross_entropy)"
-        )
-    needs_h, needs_c = needed["hidden"], needed["classifier"]
-    needs_b = ctx.has_bias and needed["bias"]
-    if grad_loss is None and grad_lse is None:
-        return FORWARD.gradients()
-    buffers = (fast_h, fast_c, fast_b)
-    fast = [b if filled else None for b, filled in zip(buffers, ctx.fast_filled)]
-    grad_h, grad_c, grad_b = torch.ops.cce.linear_cross_entropy_backward(
-        *BACKWARD.build(
-            grad_loss=grad_loss,
-            grad_lse=grad_lse,
-            hidden=hidden,
-            classifier=classifier,
-            targets=targets,
-            bias=bias,
-            class_weights=class_weights,
-            lse=lse,
-            fast_grad_hidden=fast[0],
-            fast_grad_classifier=fast[1],
-            fast_grad_bias=fast[2],
-            keep_blocks=keep if ctx.filtered else None,
-            row_index=rows if ctx.skip_ignored else None,
-            grad_hidden=needs_h,
-            grad_classifier=needs_c,
-            grad_bias=needs_b,
-            **ctx.passed_on,
-        )
-    )
-    return FORWARD.gradients(
-        hidden=grad_h if needs_h else None,
-        classifier=grad_c if needs_c else None,
-        bias=grad_b if needs_b else None,
+    fast = [b if filled else None for b, filled in zip((fast_h, fast_c, fast_b), ctx.fast_filled)]
+    return differentiate(
+        ctx,
+        (FORWARD, BACKWARD),
+        torch.ops.cce.linear_cross_entropy_backward,
+        grad_loss,
+        grad_lse,
+        hidden=hidden,
+        classifier=classifier,
+        targets=targets,
+        bias=bias,
+        class_weights=class_weights,
+        lse=lse,
+        fast_grad_hidden=fast[0],
+        fast_grad_classifier=fast[1],
+        fast_grad_bias=fast[2],
+        keep_blocks=keep if ctx.filtered else None,
+        row_index=rows if ctx.skip_ignored else None,
     )
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "cce_compile.linear_cross_entropy does not support double backward (create_graph=True "
-        "followed by a backward through the gradients, e.g. a gradient penalty): compute that "
-        "loss with F.cross_entropy(F.linear(hidden, classifier), targets) instead"
-    )
-
-
-# Without this, PyTorch's generic "no autograd formula was registered" error would name our
-# backward op rather than what the user did.
-linear_cross_entropy_backward.register_autograd(
-    _no_double_backward, setup_context=lambda ctx, inputs, output: None
-)

@@ -12,7 +12,8 @@ gradients it returns):
   allows and at least ``MIN_SLAB_COLUMNS`` (so at V < 16 D, where the accumulator alone is
   over 1/8 of the logits, lean takes more than the budget).
 * fast: a float32 classifier-gradient buffer (V x D x 4) where the classifier needs a
-  gradient, the rounded classifier and hidden (AMP), and chunks of ``n`` rows of float32
+  gradient, the rounded hidden (AMP; the rounded classifier is autocast's own copy, not
+  counted: ``fast_fixed_bytes``), and chunks of ``n`` rows of float32
   logits (n x V x 4; the bf16 gradient is written over them) with their float32 hidden
   gradient (n x D x 4), ``n`` at most ``FAST_CHUNK_ROWS`` and as large as the budget allows.
 * auto: fast when it is valid (scalar loss, gradients wanted, no gradient of the returned lse)
@@ -76,10 +77,13 @@ def budget_bytes(problem: Problem, budget_mb: int | None, fraction: float) -> in
 
 
 def fast_fixed_bytes(problem: Problem, needs_classifier: bool) -> int:
-    """Fast mode's memory besides its chunk: classifier-gradient buffer, rounded copies."""
+    """Fast mode's memory besides its chunk: the classifier-gradient buffer and, under AMP,
+    the rounded hidden. The classifier's rounded copy (V x D, held through the forward only)
+    is not counted: it is the copy autocast makes for ``F.linear`` anyway, which torch.compile
+    holds too (with the logits), so it adds nothing over what the loss replaces."""
     fixed = problem.vocab * problem.dim * 4 if needs_classifier else 0
     if problem.rounds_inputs:
-        fixed += (problem.vocab + problem.rows) * problem.dim * problem.logit_bytes
+        fixed += problem.rows * problem.dim * problem.logit_bytes
     return fixed
 
 

@@ -182,9 +182,12 @@ def logit_stats(
     budget_bytes: int,
     compute_dtype: torch.dtype | None = None,
     block_lse: bool = False,
+    mean_z: bool = False,
+    argmax: bool = False,
 ) -> RowStats:
     """Per-row lse, target logit and weighted sum over the given classes (every row), and
-    with ``block_lse`` the lse of each block of classes (filtering.py)."""
+    with ``block_lse`` the lse of each block of classes (filtering.py), with ``mean_z`` /
+    ``argmax`` each row's mean logit under its softmax / first largest logit's class."""
     vocab = classifier.shape[0]
     c32, b32, w32 = _operands(classifier, bias, class_weights, compute_dtype)
     columns = _ClassTargets.of(targets, spec, col_start, vocab)
@@ -196,6 +199,7 @@ def logit_stats(
     blocks = None
     if block_lse:
         blocks = torch.empty((filtering.block_count(vocab), n_rows), device=hidden.device)
+    extras = _Extras.empty(lse, mean_z, argmax)
     for start, stop in _chunks(n_rows, cpu_chunk_rows(vocab, budget_bytes)):
         z = _logits(
             _float(rows_io.read(start, stop), compute_dtype),
@@ -205,9 +209,36 @@ def logit_stats(
             spec.softcap,
         )
         _write_stats(z, columns.slice(start, stop), w32, (lse, target_logit, wsum), start, stop)
+        extras.write(z, lse, start, stop)
         if blocks is not None:
             blocks[:, start:stop] = filtering.block_lse_of_logits(z).t()
-    return RowStats(lse, target_logit, wsum, blocks)
+    stats = RowStats(lse, target_logit, wsum, blocks)
+    stats.mean_z, stats.argmax = extras.mean_z, extras.argmax
+    return stats
+
+
+@dataclasses.dataclass
+class _Extras:
+    """Each row's mean logit under its softmax and first largest logit's class, when asked
+    (the op's entropy and argmax outputs)."""
+
+    mean_z: torch.Tensor | None
+    argmax: torch.Tensor | None
+
+    @staticmethod
+    def empty(like: torch.Tensor, mean_z: bool, argmax: bool) -> _Extras:
+        return _Extras(
+            torch.empty_like(like) if mean_z else None,
+            torch.empty_like(like, dtype=torch.int64) if argmax else None,
+        )
+
+    def write(self, z: torch.Tensor, lse: torch.Tensor, start: int, stop: int) -> None:
+        """From one chunk's logits (before they are overwritten) and its rows' lse."""
+        if self.mean_z is not None:
+            p = torch.exp(z - lse[start:stop, None])
+            self.mean_z[start:stop] = (p * z).sum(-1)
+        if self.argmax is not None:
+            self.argmax[start:stop] = z.argmax(-1)
 
 
 def _write_stats(z, columns: _ClassTargets, w32, stats, start: int, stop: int) -> None:
@@ -232,9 +263,11 @@ def fast_forward(
     needs: Needs,
     budget_bytes: int,
     compute_dtype: torch.dtype | None = None,
+    entropy: bool = False,
+    argmax: bool = False,
 ) -> ForwardOut:
     """Fast mode: loss, lse and the gradients for a unit upstream gradient from the same
-    chunks of logits (three GEMMs)."""
+    chunks of logits (three GEMMs), and each row's entropy and argmax where asked."""
     vocab = classifier.shape[0]
     c32, b32, w32 = _operands(classifier, bias, class_weights, compute_dtype)
     columns = _ClassTargets.of(targets, spec, 0, vocab)
@@ -243,11 +276,13 @@ def fast_forward(
     lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
     stats = (lse, torch.empty_like(lse), torch.empty_like(lse) if spec.needs_wsum else None)
     acc = _Accumulators(hidden, classifier, bias, needs)
+    extras = _Extras.empty(lse, entropy, argmax)
     unit = torch.ones((), device=hidden.device)
     for start, stop in _chunks(n_rows, cpu_chunk_rows(vocab, budget_bytes)):
         h32 = _float(rows_io.read(start, stop), compute_dtype)
         z = _logits(h32, c32, b32, spec.logit_scale, spec.softcap)
         _write_stats(z, columns.slice(start, stop), w32, stats, start, stop)
+        extras.write(z, lse, start, stop)
         grad_loss = unit.expand(stop - start) if spec.reduction == "none" else unit
         chunk_rows_ = rows.slice(start, stop)
         coefs = row_coefficients(grad_loss, None, lse[start:stop], chunk_rows_, spec, vocab)
@@ -255,6 +290,8 @@ def fast_forward(
         acc.add(rows_io, start, stop, grad, h32, c32)
     out = ForwardOut(finish_loss(*stats, rows, spec, vocab), lse)
     out.grad_hidden, out.grad_classifier, out.grad_bias = acc.hidden, acc.classifier, acc.bias
+    out.entropy = None if extras.mean_z is None else lse - extras.mean_z
+    out.argmax = extras.argmax
     return out
 
 

@@ -172,10 +172,14 @@ def logit_stats(
     budget_bytes: int,
     compute_dtype: torch.dtype | None = None,
     block_lse: bool = False,
+    mean_z: bool = False,
+    argmax: bool = False,
 ) -> RowStats:
     """Per-row lse, target logit and weighted sum from per-tile partials (``lse_forward``);
     a classifier to be rounded is rounded one slab of classes at a time. ``block_lse``: also
-    the lse per block of classes (filtering.py), from the same partials."""
+    the lse per block of classes (filtering.py), from the same partials; ``mean_z`` and
+    ``argmax``: also each row's mean logit under the softmax and first largest logit's class,
+    from per-program partials combined the same way."""
     hidden = _rounded(compute_dtype, hidden)
     vocab, dim = classifier.shape
     config = _tile_config(
@@ -191,6 +195,9 @@ def logit_stats(
         (partial_blocks(vocab, config), n_rows), dtype=torch.float32, device=device
     )
     partial_wsum = torch.empty_like(partial_lse) if spec.needs_wsum else None
+    partial_mean_z = torch.empty_like(partial_lse) if mean_z else None
+    partial_max = torch.empty_like(partial_lse) if argmax else None
+    partial_arg = torch.empty_like(partial_lse, dtype=torch.int32) if argmax else None
     target_logit = torch.zeros(n_rows, dtype=torch.float32, device=device)
     for start, stop in _slabs(vocab, width):
         first, last = start // tile, partial_blocks(stop, config)
@@ -213,10 +220,24 @@ def logit_stats(
                 target_logit,
                 None if partial_wsum is None else partial_wsum[first:last],
             ),
+            mean_z_out=None if partial_mean_z is None else partial_mean_z[first:last],
+            argmax_out=None
+            if partial_max is None
+            else (
+                partial_max[first:last],
+                partial_arg[first:last],
+            ),
         )
     wsum = partial_wsum.sum(0) if partial_wsum is not None else None
     blocks = filtering.block_lse_from_partials(partial_lse, tile) if block_lse else None
-    return RowStats(torch.logsumexp(partial_lse, dim=0), target_logit, wsum, blocks)
+    lse = torch.logsumexp(partial_lse, dim=0)
+    stats = RowStats(lse, target_logit, wsum, blocks)
+    if partial_mean_z is not None:  # each program's mean weighted by its share of the mass
+        stats.mean_z = (torch.exp(partial_lse - lse) * partial_mean_z).sum(0)
+    if partial_max is not None:  # the first program holding the row's largest logit
+        program = partial_max.argmax(0, keepdim=True)
+        stats.argmax = partial_arg.gather(0, program)[0].long()
+    return stats
 
 
 def fast_forward(
@@ -231,9 +252,12 @@ def fast_forward(
     needs: Needs,
     budget_bytes: int,
     compute_dtype: torch.dtype | None = None,
+    entropy: bool = False,
+    argmax: bool = False,
 ) -> ForwardOut:
     """Fast mode: loss, lse and the gradients for a unit upstream gradient, computed in
-    chunks of positions (three GEMMs)."""
+    chunks of positions (three GEMMs); with ``entropy`` / ``argmax`` also those of each row,
+    from the same pass over each chunk's logits."""
     hidden_c, classifier_c = _rounded(compute_dtype, hidden), _rounded(compute_dtype, classifier)
     bias_c = _rounded(compute_dtype, bias)
     vocab, dim = classifier.shape
@@ -277,6 +301,8 @@ def fast_forward(
         torch.empty_like(lse_positions),
         torch.empty_like(lse_positions) if spec.needs_wsum else None,
     )
+    mean_z_positions = torch.empty_like(lse_positions) if entropy else None
+    argmax_positions = torch.empty_like(lse_positions, dtype=torch.int64) if argmax else None
     classifier_t = classifier_c.t()
     for start in range(0, n_positions, chunk):
         stop = min(start + chunk, n_positions)
@@ -297,6 +323,8 @@ def fast_forward(
             bias=bias_c,
             grad=grad,
             out=tuple(None if s is None else s[start:stop] for s in stats),
+            mean_z_out=None if mean_z_positions is None else mean_z_positions[start:stop],
+            argmax_out=None if argmax_positions is None else argmax_positions[start:stop],
         )
         if stage is not None:
             grad_positions[start:stop] = _matmul(grad, classifier_c, out=stage[: stop - start])
@@ -309,6 +337,10 @@ def fast_forward(
     lse, target_logit, wsum = (None if s is None else layout.positions_to_rows(s) for s in stats)
     loss = finish_loss(lse, target_logit, wsum, rows, spec, vocab)
     out = ForwardOut(loss, lse)
+    if mean_z_positions is not None:
+        out.entropy = lse - layout.positions_to_rows(mean_z_positions)
+    if argmax_positions is not None:
+        out.argmax = layout.positions_to_rows(argmax_positions)
     if grad_positions is not None:
         out.grad_hidden = _hidden_grad(grad_positions, layout, hidden)
     out.grad_classifier, out.grad_bias = grad_classifier, grad_bias

@@ -97,11 +97,36 @@ def op_args(options: dict, dtype=torch.float32, leading=(2, 5), dim=7, vocab=11,
         grad_classifier=True,
         grad_bias=case.bias is not None,
         implementation_version=cce_compile.ops.IMPLEMENTATION_VERSION,
+        **{
+            k: options[k]
+            for k in ("skip_ignored", "return_entropy", "return_argmax")
+            if k in options
+        },
     )
 
 
 @pytest.mark.parametrize("options", [_param(c) for c in _all_pairs()])
 def test_opcheck(options):
+    torch.library.opcheck(OP, op_args(options))
+
+
+@pytest.mark.parametrize(
+    ("mode", "reduction"), [("lean", "mean"), ("lean", "none"), ("fast", "mean"), ("fast", "sum")]
+)
+def test_opcheck_skipping_ignored_rows_with_the_metrics(mode, reduction):
+    """A data-dependent row_index output and the entropy / argmax outputs."""
+    options = dict(
+        reduction=reduction,
+        mode=mode,
+        bias=True,
+        class_weights=False,
+        shift=1,
+        lse_all_rows=False,
+        skip_ignored=True,
+        return_entropy=True,
+        return_argmax=True,
+        **NUMERIC["numeric"],
+    )
     torch.library.opcheck(OP, op_args(options))
 
 

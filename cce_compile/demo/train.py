@@ -9,8 +9,13 @@ layer replaced by a trivial loss on the hidden states).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import re
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 
@@ -177,9 +182,15 @@ def step_peak_bytes(run: Callable[[], None]) -> int:
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action
 
-    with profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
+    with (
+        _without_kineto_banners(),
+        profile(
+            activities=[ProfilerActivity.CPU],
+            profile_memory=True,
+            record_shapes=True,
+            with_stack=True,
+        ) as prof,
+    ):
         run()
     live = peak = 0
     for _, action, (key, _), size in prof._memory_profile().timeline:
@@ -191,6 +202,33 @@ def step_peak_bytes(run: Callable[[], None]) -> int:
             live -= size
         peak = max(peak, live)
     return peak
+
+
+# "USDT:2026-01-01 10:00:00 123:123 SyncActivityProfilerHandler.cpp:52] profiler_start"
+_KINETO_BANNER = re.compile(rb"^(USDT|STAGE):\S+ \S+ \d+:\d+ \w+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def _without_kineto_banners() -> Iterator[None]:
+    """Kineto, the profiler's C++ side, writes "USDT: ... profiler_start" and "profiler_stop"
+    to file descriptor 2 on every profile (its log level is read once per process from the
+    environment, which only config.py reads). Inside the block, descriptor 2 goes to a file;
+    after it, everything but those lines is written back to stderr."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured if not _KINETO_BANNER.match(line)]
+            if kept:
+                sys.stderr.write(b"".join(kept).decode(errors="replace"))
+                sys.stderr.flush()
 
 
 def _peak_gb(device: str) -> float | None:

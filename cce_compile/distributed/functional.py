@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..functional import autocast_dtype
+from ..functional import autocast_dtype, skips_ignored
 from ..loss_math import LossSpec
 from ..op_signature import LOSS_OPTIONS
 from . import ops as _ops
@@ -187,7 +187,7 @@ def vocab_parallel_cross_entropy(
     time = leading[-1] if leading else 1
     batch = math.prod(leading[:-1])
     rows_shape = leading[:-1] + (time - shift,) if leading else ()
-    loss, lse = torch.ops.cce.vocab_parallel_cross_entropy(
+    loss, lse, _ = torch.ops.cce.vocab_parallel_cross_entropy(
         *FORWARD.build(
             hidden=hidden.reshape(batch, time, hidden.shape[-1]),
             classifier=classifier,
@@ -202,6 +202,7 @@ def vocab_parallel_cross_entropy(
             reduce_hidden_grad=reduce_hidden_grad,
             lse_all_rows=return_lse,
             implementation_version=_ops.IMPLEMENTATION_VERSION,
+            skip_ignored=skips_ignored(),
         )
     )
     if reduction == "none":

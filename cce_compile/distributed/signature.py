@@ -39,9 +39,13 @@ FORWARD = Signature(
         *_SHARD,
         Argument("lse_all_rows", "bool"),  # the returned lse is valid at ignored rows too
         Argument("implementation_version", "int"),  # distributed.ops.IMPLEMENTATION_VERSION
+        # Compact away rows whose target is ignore_index first (compaction.py); every rank
+        # holds the same targets, so every rank keeps the same rows.
+        Argument("skip_ignored", "bool", default=False),
     ]
 )
-FORWARD_RETURNS = "(Tensor, Tensor)"  # loss, lse (the global, (B, T - shift))
+# loss, lse (the global, (B, T - shift)), row_index (the rows computed on: compaction.py)
+FORWARD_RETURNS = "(Tensor, Tensor, Tensor)"
 
 BACKWARD = Signature(
     [
@@ -49,10 +53,10 @@ BACKWARD = Signature(
         Argument("grad_lse", "Tensor?"),
         *_INPUTS,
         Argument("lse", "Tensor"),
+        Argument("row_index", "Tensor?", default=None),  # the forward's rows
         *_OPTIONS,
         *_SHARD,
         Argument("lse_all_rows", "bool"),
         *_GRAD_FLAGS,
     ]
 )
-BACKWARD_RETURNS = "(Tensor, Tensor, Tensor)"  # hidden, classifier, bias gradients

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import execution
-from ..interface import Needs, RowStats
-from ..loss_math import LossSpec, finish_loss, returned_lse, row_coefficients, row_targets
+from .. import call_plan, execution
+from ..interface import ForwardOut, Gradients, Needs, RowStats
+from ..loss_math import LossSpec, finish_loss, returned_lse, row_targets
 from ..op_signature import Bound
 from . import collectives
 
@@ -44,21 +44,15 @@ def _shard_weights(args: Bound) -> torch.Tensor | None:
     return args.class_weights[start : start + args.classifier.shape[0]]
 
 
-def _budget(args: Bound) -> int:
-    return execution.budget_bytes(
-        execution.problem_of(args.hidden, args.classifier, args.shift, args.compute_dtype)
-    )
-
-
-def _local_stats(args: Bound, spec: LossSpec) -> RowStats:
+def _local_stats(args: Bound, spec: LossSpec, budget: int) -> RowStats:
     """This rank's statistics; an empty shard (fewer classes than ranks) has none."""
     hidden, classifier = args.hidden, args.classifier
     if classifier.shape[0] == 0:
         rows = hidden.shape[0] * (hidden.shape[1] - spec.shift)
         empty = hidden.new_zeros(rows, dtype=torch.float32)
         return RowStats(empty - float("inf"), empty, empty if spec.needs_wsum else None)
-    with execution.float32_math(hidden.device):
-        return execution.implementation_for(hidden.device).logit_stats(
+    with call_plan.float32_math(hidden.device):
+        return call_plan.implementation_for(hidden.device).logit_stats(
             hidden,
             classifier,
             args.targets,
@@ -67,8 +61,8 @@ def _local_stats(args: Bound, spec: LossSpec) -> RowStats:
             spec,
             col_start=args.vocab_start,
             all_rows=args.lse_all_rows,
-            budget_bytes=_budget(args),
-            compute_dtype=args.compute_dtype,
+            budget_bytes=budget,
+            compute_dtype=call_plan.compute_dtype_of(args),
         )
 
 
@@ -87,34 +81,33 @@ def _combine(local: RowStats, group_name: str) -> RowStats:
     return RowStats(lse, summed[1], summed[2] if local.wsum is not None else None)
 
 
-def forward(args: Bound) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, lse): float32, the loss a scalar or (N,) for 'none', the lse (N,) (0 at ignored
-    rows unless ``lse_all_rows``); the same on every rank."""
+def forward(args: Bound) -> ForwardOut:
+    """Loss (float32, a scalar or (N,) for 'none') and lse ((N,), 0 at ignored rows unless
+    ``lse_all_rows``), the same on every rank; with ``skip_ignored`` on the rows whose target
+    counts, which every rank selects alike (the same targets), so the collectives agree."""
+    call_plan.check_targets(args.targets, args.class_weights, args.spec(), args.vocab_size)
+    return execution.on_kept_rows(args, _forward_rows)
+
+
+def _forward_rows(args: Bound, budget: int) -> ForwardOut:
     spec = args.spec()
     vocab = args.vocab_size
-    execution.check_targets(args.targets, args.class_weights, spec, vocab)
-    stats = _combine(_local_stats(args, spec), args.group_name)
+    stats = _combine(_local_stats(args, spec, budget), args.group_name)
     rows = row_targets(args.targets, args.class_weights, spec, vocab)
     loss = finish_loss(stats.lse, stats.target_logit, stats.wsum, rows, spec, vocab)
-    return loss, returned_lse(stats.lse, rows, args.lse_all_rows)
+    return ForwardOut(loss, returned_lse(stats.lse, rows, args.lse_all_rows))
 
 
-def backward(args: Bound) -> tuple[torch.Tensor | None, ...]:
-    """Gradients for (hidden, classifier, bias) in their dtypes, None where not needed.
+def backward(args: Bound) -> Gradients:
+    """Gradients for (hidden, classifier, bias) in their dtypes, None where not needed, on the
+    rows the forward computed on. hidden's is all-reduced here (``reduce_hidden_grad``) or
+    left this rank's partial sum."""
+    return execution.recompute(args, call_plan.needs_of(args), _gradients_rows)
 
-    hidden's is all-reduced here (``reduce_hidden_grad``) or left this rank's partial sum.
-    """
-    spec = args.spec()
-    vocab = args.vocab_size
+
+def _gradients_rows(args: Bound, needs: Needs, budget: int) -> Gradients:
+    lse, coefs = execution.coefficients(args, args.vocab_size)
     hidden, classifier, bias = args.hidden, args.classifier, args.bias
-    needs = Needs(args.grad_hidden, args.grad_classifier, args.grad_bias and bias is not None)
-    grad_loss = args.grad_loss
-    if grad_loss is not None and spec.reduction == "none":
-        grad_loss = grad_loss.reshape(-1)
-    grad_lse = None if args.grad_lse is None else args.grad_lse.reshape(-1)
-    rows = row_targets(args.targets, args.class_weights, spec, vocab)
-    lse = args.lse.reshape(-1)
-    coefs = row_coefficients(grad_loss, grad_lse, lse, rows, spec, vocab, args.lse_all_rows)
     if classifier.shape[0] == 0:  # an empty shard contributes nothing but takes part below
         grads = (
             torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
@@ -124,27 +117,19 @@ def backward(args: Bound) -> tuple[torch.Tensor | None, ...]:
             torch.zeros_like(bias) if needs.bias else None,
         )
     else:
-        with execution.float32_math(hidden.device):
-            grads = execution.implementation_for(hidden.device).gradients(
-                hidden,
-                classifier,
-                args.targets,
-                bias,
-                _shard_weights(args),
-                lse,
-                coefs,
-                spec,
-                col_start=args.vocab_start,
-                needs=needs,
-                budget_bytes=_budget(args),
-                compute_dtype=args.compute_dtype,
-            )
+        impl = call_plan.implementation_for(hidden.device)
+        grads = execution.lean_gradients(
+            args,
+            impl,
+            needs,
+            budget,
+            lse,
+            coefs,
+            col_start=args.vocab_start,
+            class_weights=_shard_weights(args),
+        )
     grad_hidden, grad_classifier, grad_bias = grads
     if grad_hidden is not None and args.reduce_hidden_grad:
         # In float32, before the one rounding to hidden's dtype.
         grad_hidden = collectives.all_reduce(grad_hidden, "sum", args.group_name)
-    likes = (hidden, classifier, bias)
-    return tuple(
-        None if g is None else g.to(like.dtype)
-        for g, like in zip((grad_hidden, grad_classifier, grad_bias), likes)
-    )
+    return execution.in_input_dtypes((grad_hidden, grad_classifier, grad_bias), args)

@@ -37,6 +37,8 @@ def _chunk_softmax_grad_kernel(
     lse_out,
     target_out,
     wsum_out,
+    mean_z_out,
+    argmax_out,
     vocab,
     stride_row,
     stride_grad,
@@ -47,6 +49,8 @@ def _chunk_softmax_grad_kernel(
     HAS_WEIGHTS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
+    NEEDS_MEAN_Z: tl.constexpr,
+    NEEDS_ARGMAX: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -59,6 +63,7 @@ def _chunk_softmax_grad_kernel(
     running_sum = tl.zeros((BLOCK,), tl.float32)
     target_acc = tl.zeros((BLOCK,), tl.float32)
     wsum_acc = tl.zeros((BLOCK,), tl.float32)
+    lane_arg = tl.zeros((BLOCK,), tl.int32)  # each lane's first column of its running max
     for start in range(0, vocab, BLOCK):
         cols = start + offs
         ok = cols < vocab
@@ -68,6 +73,8 @@ def _chunk_softmax_grad_kernel(
         z = cap_logits(y, logit_scale, softcap, HAS_SOFTCAP)
         z = tl.where(ok, z, float("-inf"))
         new_max = tl.maximum(running_max, z)
+        if NEEDS_ARGMAX:  # strictly greater: a lane keeps its first column of a tie
+            lane_arg = tl.where(z > running_max, cols, lane_arg)
         # Lane-wise online softmax; a lane that has only seen -inf keeps a zero sum.
         scale_old = tl.where(running_max == float("-inf"), 0.0, tl.exp(running_max - new_max))
         running_sum = running_sum * scale_old + tl.where(ok, tl.exp(z - new_max), 0.0)
@@ -88,6 +95,9 @@ def _chunk_softmax_grad_kernel(
     tl.store(target_out + row, tl.sum(target_acc, axis=0))
     if HAS_SMOOTHING:
         tl.store(wsum_out + row, tl.sum(wsum_acc, axis=0))
+    if NEEDS_ARGMAX:  # the first column of the row's largest logit, as torch.argmax
+        first = tl.where(running_max == row_max, lane_arg, vocab)
+        tl.store(argmax_out + row, tl.min(first, axis=0).to(tl.int64))
 
     c_p = tl.load(p_base + row)
     if HAS_Z_LOSS:
@@ -95,6 +105,7 @@ def _chunk_softmax_grad_kernel(
     c_t = tl.load(coef_t + row)
     c_w = tl.load(coef_w + row)
     active = (c_p != 0.0) | (c_t != 0.0) | (c_w != 0.0)
+    mean_z_acc = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, vocab, BLOCK):
         cols = start + offs
         ok = cols < vocab
@@ -102,7 +113,10 @@ def _chunk_softmax_grad_kernel(
         if HAS_BIAS:
             y += tl.load(bias + cols, mask=ok, other=0.0).to(tl.float32)
         z = cap_logits(y, logit_scale, softcap, HAS_SOFTCAP)
-        g = c_p * tl.exp(z - lse) - tl.where(cols == tgt, c_t, 0.0)
+        p = tl.exp(z - lse)
+        if NEEDS_MEAN_Z:
+            mean_z_acc += tl.where(ok, p * z, 0.0)
+        g = c_p * p - tl.where(cols == tgt, c_t, 0.0)
         if HAS_SMOOTHING:
             if HAS_WEIGHTS:
                 g -= c_w * tl.load(class_weights + cols, mask=ok, other=0.0).to(tl.float32)
@@ -115,6 +129,8 @@ def _chunk_softmax_grad_kernel(
         g = tl.where(active, g, 0.0)
         tl.debug_barrier()  # every read of this block before any write over it
         tl.store(grad_ptr + cols, g.to(grad.dtype.element_ty), mask=ok)
+    if NEEDS_MEAN_Z:  # sum_j p_j z_j: the entropy is lse minus it
+        tl.store(mean_z_out + row, tl.sum(mean_z_acc, axis=0))
 
 
 def chunk_softmax_grad(
@@ -132,6 +148,8 @@ def chunk_softmax_grad(
     bias: torch.Tensor | None = None,
     grad: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    mean_z_out: torch.Tensor | None = None,
+    argmax_out: torch.Tensor | None = None,
     block: int = 4096,
     num_warps: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -144,7 +162,9 @@ def chunk_softmax_grad(
     (clamp ignored rows: their coefficients are 0); the coefficient vectors are float32 (n,).
     ``out``: contiguous float32 (n,) buffers to write lse, target logit and wsum into (wsum
     None without smoothing), so that a caller filling a longer vector chunk by chunk needs no
-    copies.
+    copies. ``mean_z_out`` (n,) float32: also each row's mean logit under its softmax,
+    sum_j p_j z_j (the entropy is lse minus it); ``argmax_out`` (n,) int64: also each row's
+    first largest logit's class.
     """
     n_rows, vocab = logits.shape
     grad = logits if grad is None else grad
@@ -178,6 +198,12 @@ def chunk_softmax_grad(
             raise ValueError(f"out {name} must be contiguous float32 ({n_rows},)")
     if smoothing and wsum is None:
         raise ValueError("out needs a wsum buffer with smoothing")
+    for name, t, dtype in (
+        ("mean_z_out", mean_z_out, torch.float32),
+        ("argmax_out", argmax_out, torch.int64),
+    ):
+        if t is not None and (t.shape != (n_rows,) or t.dtype != dtype or not t.is_contiguous()):
+            raise ValueError(f"{name} must be contiguous {dtype} ({n_rows},)")
     if n_rows == 0:
         return lse, target_logit, wsum
     block = min(block, triton.next_power_of_2(vocab))
@@ -194,6 +220,8 @@ def chunk_softmax_grad(
         lse,
         target_logit,
         wsum if wsum is not None else lse,
+        mean_z_out if mean_z_out is not None else lse,
+        argmax_out if argmax_out is not None else targets,
         vocab,
         logits.stride(0),
         grad.stride(0),
@@ -204,6 +232,8 @@ def chunk_softmax_grad(
         HAS_WEIGHTS=class_weights is not None,
         HAS_SMOOTHING=smoothing,
         HAS_Z_LOSS=p_per_lse is not None,
+        NEEDS_MEAN_Z=mean_z_out is not None,
+        NEEDS_ARGMAX=argmax_out is not None,
         BLOCK=block,
         num_warps=num_warps,
     )

@@ -41,6 +41,9 @@ def _lse_forward_kernel(
     partial_lse,
     partial_wsum,
     target_logit,
+    partial_mean_z,
+    partial_max,
+    partial_argmax,
     n_positions,
     seq_stride,
     rows_per_seq,
@@ -60,6 +63,8 @@ def _lse_forward_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     NEEDS_WSUM: tl.constexpr,
+    NEEDS_MEAN_Z: tl.constexpr,
+    NEEDS_ARGMAX: tl.constexpr,
     SKIP_IGNORED: tl.constexpr,
     USE_TMA: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -89,6 +94,15 @@ def _lse_forward_kernel(
             )
             if NEEDS_WSUM:
                 tl.store(partial_wsum + out_off, tl.zeros((BLOCK_N,), tl.float32), mask=valid)
+            if NEEDS_MEAN_Z:
+                tl.store(partial_mean_z + out_off, tl.zeros((BLOCK_N,), tl.float32), mask=valid)
+            if NEEDS_ARGMAX:
+                tl.store(
+                    partial_max + out_off,
+                    tl.full((BLOCK_N,), float("-inf"), tl.float32),
+                    mask=valid,
+                )
+                tl.store(partial_argmax + out_off, tl.zeros((BLOCK_N,), tl.int32), mask=valid)
             return
 
     # The program covers TILES vocab tiles with a running max / sum per row, so the partial
@@ -96,6 +110,8 @@ def _lse_forward_kernel(
     run_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     run_sum = tl.zeros((BLOCK_N,), tl.float32)
     run_wsum = tl.zeros((BLOCK_N,), tl.float32)
+    run_zsum = tl.zeros((BLOCK_N,), tl.float32)  # sum_j exp(z_j - run_max) z_j (entropy)
+    run_arg = tl.zeros((BLOCK_N,), tl.int32)  # first column of the running max
     for j in range(TILES):
         first_col = (pid_v * TILES + j) * BLOCK_V
         if first_col < vocab:
@@ -127,10 +143,18 @@ def _lse_forward_kernel(
             z = tl.where(col_ok[None, :], z, float("-inf"))
             tile_max = tl.max(z, axis=1)
             new_max = tl.maximum(run_max, tile_max)
+            if NEEDS_ARGMAX:
+                # Strictly greater: an earlier tile keeps a tie, as torch.argmax's first index.
+                tile_arg = tl.argmax(z, axis=1, tie_break_left=True).to(tl.int32)
+                tile_arg += first_col + col_start
+                run_arg = tl.where(tile_max > run_max, tile_arg, run_arg)
             # NaN logits make the sum NaN, so NaN propagates to the lse as in PyTorch.
-            run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(
-                tl.exp(z - new_max[:, None]), axis=1
-            )
+            rescale = tl.exp(run_max - new_max)
+            exp_z = tl.exp(z - new_max[:, None])
+            run_sum = run_sum * rescale + tl.sum(exp_z, axis=1)
+            if NEEDS_MEAN_Z:
+                weighted = tl.where(col_ok[None, :], exp_z * z, 0.0)
+                run_zsum = run_zsum * rescale + tl.sum(weighted, axis=1)
             run_max = new_max
             # The tile holds the row's target iff it falls in [first_col, first_col + BLOCK_V):
             # a per-row test, not a reduction over the tile, keeps the epilogue's registers
@@ -149,6 +173,11 @@ def _lse_forward_kernel(
     tl.store(partial_lse + out_off, run_max + tl.log(run_sum), mask=valid)
     if NEEDS_WSUM:
         tl.store(partial_wsum + out_off, run_wsum, mask=valid)
+    if NEEDS_MEAN_Z:  # the mean logit under this program's classes' softmax
+        tl.store(partial_mean_z + out_off, run_zsum / run_sum, mask=valid)
+    if NEEDS_ARGMAX:
+        tl.store(partial_max + out_off, run_max, mask=valid)
+        tl.store(partial_argmax + out_off, run_arg, mask=valid)
 
 
 def partial_blocks(vocab: int, config: TileConfig) -> int:
@@ -172,8 +201,15 @@ def lse_forward(
     config: TileConfig | None = None,
     col_start: int = 0,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    mean_z_out: torch.Tensor | None = None,
+    argmax_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Partial lse (vocab_blocks, N), target logit (N,) and partial sum_j w_j z_ij or None.
+
+    ``mean_z_out`` (vocab_blocks, N) float32: also each program's mean logit under its
+    classes' softmax, sum_j p_j z_j (the entropy's term; 0 where a tile was skipped).
+    ``argmax_out`` ((vocab_blocks, N) float32, (vocab_blocks, N) int32): also each program's
+    largest logit and its first class (a column of the whole vocabulary).
 
     ``hidden`` (B, T, D) and ``targets`` (B, T) may be strided; rows are (b, t < T - shift).
     ``classifier`` (and ``bias``, ``class_weights``) hold classes [col_start, col_start + V)
@@ -210,6 +246,15 @@ def lse_forward(
                 t is None or tuple(t.shape) != shape or not t.is_contiguous()
             ):
                 raise ValueError(f"out {name} must be contiguous float32 {shape}")
+    for name, t, dtype in (
+        ("mean_z_out", mean_z_out, torch.float32),
+        ("argmax_out max", None if argmax_out is None else argmax_out[0], torch.float32),
+        ("argmax_out index", None if argmax_out is None else argmax_out[1], torch.int32),
+    ):
+        if t is not None and (
+            tuple(t.shape) != (blocks_v, n_rows) or t.dtype != dtype or not t.is_contiguous()
+        ):
+            raise ValueError(f"{name} must be contiguous {dtype} {(blocks_v, n_rows)}")
     if n_rows == 0 or vocab == 0:
         return partial_lse, target_logit, partial_wsum
     hidden_arg, classifier_arg, use_tma = operand_args(layout, classifier, config)
@@ -223,6 +268,9 @@ def lse_forward(
         partial_lse,
         partial_wsum if partial_wsum is not None else partial_lse,
         target_logit,
+        mean_z_out if mean_z_out is not None else partial_lse,
+        argmax_out[0] if argmax_out is not None else partial_lse,
+        argmax_out[1] if argmax_out is not None else partial_lse,
         layout.n_positions,
         layout.seq_stride,
         layout.rows_per_seq,
@@ -239,6 +287,8 @@ def lse_forward(
         *targets.stride(),
         HAS_WEIGHTS=class_weights is not None,
         NEEDS_WSUM=needs_wsum,
+        NEEDS_MEAN_Z=mean_z_out is not None,
+        NEEDS_ARGMAX=argmax_out is not None,
         SKIP_IGNORED=skip_ignored,
         TILES=config.tiles_per_program,
         **gemm_launch_options(

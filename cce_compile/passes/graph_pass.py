@@ -20,13 +20,15 @@ import pathlib
 import torch
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import Graph, GraphModule
 
 from .. import config
 from ..ops import IMPLEMENTATION_VERSION
-from . import report, tensor_parallel, tracing
-from .matching import REWRITABLE, find_sites
-from .rewrite import OP, rewrite_site
+from . import report, tracing
+from .matching import find_sites
+from .plain import OP
+from .report_types import SiteReport, describe
+from .verdicts import Site
 
 log = logging.getLogger("cce_compile")
 
@@ -54,7 +56,7 @@ def pass_uuid() -> str:
 _told: set[tuple[str, str]] = set()  # (location, reason) already logged once
 
 
-def _tell_once(described: report.SiteReport) -> None:
+def _tell_once(described: SiteReport) -> None:
     """Log a site left alone (or whose returned logits were dropped) once per process."""
     key = (described.location, described.reason or described.logits)
     if key in _told:
@@ -71,16 +73,7 @@ def _tell_once(described: report.SiteReport) -> None:
         )
 
 
-def _symbolic_constants(site) -> list[str]:
-    """The site's loss constants that are graph inputs (Python floats Dynamo made symbolic)."""
-    factors = [f for f, _ in getattr(site, "scale_factors", ())]
-    named = [("logit scale", f) for f in factors]
-    named += [("softcap", getattr(site, "softcap", None))]
-    named += [("label_smoothing", getattr(site, "label_smoothing", None))]
-    return sorted({name for name, value in named if isinstance(value, Node)})
-
-
-def _tell_symbolic_once(described: report.SiteReport, names: list[str]) -> None:
+def _tell_symbolic_once(described: SiteReport, names: list[str]) -> None:
     """A float argument of the op is specialised by Dynamo: each new value recompiles."""
     key = (described.location, "symbolic:" + ",".join(names))
     if not names or key in _told:
@@ -100,7 +93,7 @@ def _tell_symbolic_once(described: report.SiteReport, names: list[str]) -> None:
     )
 
 
-def _count(reports: list[report.SiteReport], step: int) -> None:
+def _count(reports: list[SiteReport], step: int) -> None:
     for described in reports:
         key = "rewritten" if described.rewritten else f"skipped:{described.reason}"
         counters["cce_compile"][key] += step
@@ -113,7 +106,7 @@ def _count(reports: list[report.SiteReport], step: int) -> None:
 _compile: list = [None, 0, []]
 
 
-def _account(reports: list[report.SiteReport]) -> None:
+def _account(reports: list[SiteReport]) -> None:
     """Count and report one graph's sites, replacing those of an abandoned earlier attempt."""
     context = torch._guards.CompileContext.try_get()
     if context is not None:
@@ -129,21 +122,18 @@ def _account(reports: list[report.SiteReport]) -> None:
     report.record(reports)
 
 
-def run_pass(graph: Graph) -> list[report.SiteReport]:
+def run_pass(graph: Graph) -> list[SiteReport]:
     """Rewrite every matched site of ``graph``; returns one report per candidate."""
     settings = config.get()
     tracing.ignore_library_logging()  # for the next compiles, if transformers came late
     reports = []
     for found in find_sites(graph):
-        rewrite = isinstance(found, REWRITABLE) and not settings.disable
-        described = report.describe(found, rewritten=rewrite)
+        rewrite = isinstance(found, Site) and not settings.disable
+        described = describe(found, rewritten=rewrite)
         if rewrite:
-            if isinstance(found, tensor_parallel.TensorParallelSite):
-                tensor_parallel.rewrite(graph, found)
-            else:
-                _tell_symbolic_once(described, _symbolic_constants(found))
-                rewrite_site(graph, found)
-        elif isinstance(found, REWRITABLE):
+            _tell_symbolic_once(described, found.symbolic_constants())
+            found.rewrite(graph)
+        elif isinstance(found, Site):
             log.debug("cce_compile: not rewriting %s: disabled", found.loss.name)
         _tell_once(described)
         reports.append(described)
@@ -156,7 +146,7 @@ def run_pass(graph: Graph) -> list[report.SiteReport]:
     return reports
 
 
-def run_on_module(gm: GraphModule) -> list[report.SiteReport]:
+def run_on_module(gm: GraphModule) -> list[SiteReport]:
     """Run on a GraphModule and on the sub-graphs its higher-order ops call (checkpointing)."""
     reports = []
     for _, module in gm.named_modules():

@@ -18,6 +18,7 @@ from typing import Any
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from .. import config
 from . import tracing
 from .graph_pass import CCEGraphPass, is_cce_pass
 
@@ -86,7 +87,9 @@ def _run_before_cache_lookup(on: bool) -> None:
 
 def enable() -> None:
     """Install the pass for every ``torch.compile`` that uses Inductor (idempotent), and make
-    Dynamo ignore transformers' once-only logging calls (``tracing.py``)."""
+    Dynamo ignore transformers' once-only logging calls (``tracing.py``). A bad setting in
+    the environment is raised here, in one line, rather than inside the first compile."""
+    config.get()
     if not enabled():
         _install([*_flatten(inductor_config.pre_grad_custom_pass), _PASS])
     _run_before_cache_lookup(True)

@@ -1,5 +1,5 @@
 """When a matched site would not compute what the graph computes: in-place writes, grad mode,
-constants, and consumers the op cannot reach in time.
+constants, and consumers the op cannot reach in time; and which nodes are dead code.
 
 The op runs at one point of the graph (its *anchor*: the loss, or an earlier logsumexp it
 serves) and reads ``hidden``, the classifier and the targets there; eager reads them at the head
@@ -21,6 +21,7 @@ import torch
 from torch.fx import Graph, Node
 
 from . import predicates as p
+from .verdicts import MUTATION, Rejection
 
 # Operators that write their first operand (Dynamo keeps `x += 1`, `x[i] = v` as these).
 _INPLACE_OPERATORS = {
@@ -45,6 +46,19 @@ _GRAD_MODE_SWITCHES = {
     torch.autograd.grad_mode._enter_inference_mode,
     torch.autograd.grad_mode._exit_inference_mode,
 }
+# Parts of the names of torch's functions and methods that draw random numbers (dropout,
+# rand_like, bernoulli, multinomial, normal, rrelu, gumbel_softmax, fractional_max_pool...).
+_RANDOM_NAME_PARTS = (
+    "rand",
+    "dropout",
+    "bernoulli",
+    "multinomial",
+    "normal",
+    "poisson",
+    "rrelu",
+    "gumbel",
+    "fractional",
+)
 # Trailing-underscore methods that change metadata, not values.
 _METADATA_ONLY = {"requires_grad_", "retain_grad", "share_memory_", "record_stream"}
 
@@ -151,6 +165,24 @@ def first_write(
     return None
 
 
+def write_in_region(
+    loss: Node, regions: Iterable[tuple[list[Any], Node, Node]], order: dict[Node, int]
+) -> Rejection | None:
+    """Why not, if anything writes in place what the op reads while eager reads it: for each
+    ``(read, start, stop)`` region, the first write after ``start`` up to ``stop``."""
+    for read, start, stop in regions:
+        written = first_write(read, start, stop, order)
+        if written is not None:
+            writer, target = written
+            return Rejection(
+                loss,
+                MUTATION,
+                f"{writer.name} ({target_name(writer)}) writes {target.name} in place "
+                "between the head and the loss",
+            )
+    return None
+
+
 def grad_mode_changes(start: Node, stop: Node, order: dict[Node, int]) -> bool:
     """Does grad mode switch anywhere between ``start`` and ``stop`` (either order)?"""
     first, last = sorted((order[start], order[stop]))
@@ -206,3 +238,40 @@ def bad_constant(name: str, value: Any, *, zero_ok: bool = True) -> str | None:
     if not zero_ok and float(value) == 0.0:
         return f"{name} is 0"
     return None
+
+
+# What a pure computation returns (a size read is one: ``logits.view(logits.shape)``).
+_VALUES = (torch.Tensor, torch.Size, torch.SymInt, torch.SymFloat, torch.SymBool, int, float)
+
+
+def is_dead(node: Node) -> bool:
+    """Dead code: a node whose value only dead code reads (a chain of unused views), and
+    which, like all those, is a pure computation."""
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if not _pure_computation(current):
+            return False
+        stack.extend(current.users)
+    return True
+
+
+def _pure_computation(node: Node) -> bool:
+    """A call that computes a tensor, its sizes or a number, writes nothing, draws no random
+    numbers (erasing it would shift every later random draw) and is not impure by FX's rules.
+    A call that returns None (a grad-mode switch, a print) is not one."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if not isinstance(p.example_value(node), _VALUES):
+        return False
+    if any(part in target_name(node).lower() for part in _RANDOM_NAME_PARTS):
+        return False
+    return not node.is_impure() and not written_operands(node)
+
+
+def live_users(node: Node) -> list[Node]:
+    """The users of ``node`` that are not dead code: dead code decides nothing."""
+    return [user for user in node.users if not is_dead(user)]

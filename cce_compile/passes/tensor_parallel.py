@@ -26,43 +26,39 @@ Left alone, with the reason: a classifier not sharded ``Shard(0)`` on a 1-D mesh
 per shard (``to_local()`` of vocabulary-sharded logits: each rank's loss over its own classes),
 partial-sum logits, DTensor targets or class weights, the nll_loss form, logits with other users.
 
-``match`` returns None for a loss without DTensors on its chain (the single-device matcher's
-business), else a :class:`TensorParallelSite` or a ``verdicts.Rejection``.
+What is shared with a single-device head (the loss's options, the walk from the loss input to
+the head, the emitter and the op's loss options) lives in ``walk.py`` and ``emit.py``; this
+module adds only the DTensor steps of the walk, the sharding checks and the op call.
+``on_dtensors`` tells ``matching`` which loss nodes are this module's to ``match``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import operator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.fx import Graph, Node
 
+from . import escapes, safety
 from . import predicates as p
-from . import safety, verdicts
+from . import walk as w
+from .emit import (
+    Emitter,
+    canonical_hidden,
+    erase_unused,
+    loss_arguments,
+    loss_value,
+    rows_of_hidden,
+    site_skips_ignored,
+    targets_as_rows,
+)
+from .verdicts import DTENSOR, ESCAPES, UNSUPPORTED_OP, UNSUPPORTED_OPTION, Rejection, Site
 
 try:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 except ImportError:  # a torch built without distributed: no DTensor reaches the pass
     DTensor = None
-
-aten = torch.ops.aten
-
-
-def _dtensor_method(node, name: str) -> bool:
-    """``x.<name>(...)`` of a DTensor: a call_method node, or (torch 2.11) a call of the
-    ``<name>_fn_with_prim_types`` wrapper Dynamo builds around it (renamed ``prim_<name>``),
-    taking x first."""
-    if p.is_method(node, {name}):
-        return True
-    target = getattr(node, "target", None)
-    wrapper = getattr(target, "__name__", "") == f"prim_{name}" or getattr(
-        target, "__qualname__", ""
-    ).endswith(f"{name}_fn_with_prim_types")
-    return getattr(node, "op", None) == "call_function" and wrapper
 
 
 def _ops():
@@ -75,39 +71,20 @@ def _ops():
 
 
 @dataclasses.dataclass
-class TensorParallelSite:
-    """A vocabulary-parallel lm_head and its cross-entropy."""
+class TensorParallelSite(Site):
+    """A vocabulary-parallel lm_head and its cross-entropy (hidden, classifier and bias are
+    the head's DTensors: the classifier and bias ``Shard(0)``)."""
 
-    loss: Node
-    head: Node
-    hidden: Node  # the head's DTensor input
-    classifier: Node  # DTensor (V, D), Shard(0)
-    bias: Node | None  # DTensor (V,), Shard(0)
-    chain: list[Node]  # head output .. loss input, forward order (head excluded)
-    row_indices: list[Any]  # row slices to replay on hidden, forward order
-    targets: Node
-    loss_targets: Node
-    class_weights: Node | None
-    ignore_index: int
-    reduction: str
-    label_smoothing: Any
-    softcap: Any
-    scale_factors: list[tuple[Any, bool]]
-    compute_dtype: torch.dtype
     shard: Any  # distributed.sharding.VocabShard
     dtensor_loss: bool  # the graph's loss is a DTensor (else the logits went through to_local)
-    kept_logits: list[Node] = dataclasses.field(default_factory=list)  # report compatibility
-    dropped_logits: list[Node] = dataclasses.field(default_factory=list)
-
-    @property
-    def rows(self) -> Any:
-        value = p.tensor_value(self.chain[-1] if self.chain else self.head)
-        return math.prod(value.shape[:-1]) if value.dim() > 1 else 1
 
     @property
     def vocab(self) -> Any:
         """Classes per rank: the logits this rank would hold."""
         return self.shard.rows
+
+    def rewrite(self, graph: Graph) -> Node:
+        return _rewrite(graph, self)
 
 
 def _is_dtensor(node: Any) -> bool:
@@ -128,34 +105,25 @@ def _replicated(node: Node) -> bool:
     return all(isinstance(pl, Replicate) for pl in _placements(node))
 
 
-def _reject(loss: Node, detail: str, reason: str | None = None) -> Any:
-    return verdicts.Rejection(loss, reason or verdicts.DTENSOR, detail)
+def _dtensor_method(node: Any, name: str) -> bool:
+    """``x.<name>(...)`` of a DTensor: a call_method node, or (torch 2.11) a call of the
+    ``<name>_fn_with_prim_types`` wrapper Dynamo builds around it (renamed ``prim_<name>``),
+    taking x first."""
+    if p.is_method(node, {name}):
+        return True
+    target = getattr(node, "target", None)
+    wrapper = getattr(target, "__name__", "") == f"prim_{name}" or getattr(
+        target, "__qualname__", ""
+    ).endswith(f"{name}_fn_with_prim_types")
+    return getattr(node, "op", None) == "call_function" and wrapper
 
 
-def match(loss: Node, order: dict[Node, int] | None = None) -> TensorParallelSite | Any | None:
-    """The site, a Rejection, or None where no DTensor is on the loss's input chain."""
-    if DTensor is None or not (p.is_cross_entropy(loss) or p.is_nll_loss(loss)):
-        return None
-    first = loss.args[0] if loss.args else loss.kwargs.get("input")
-    if not _reaches_dtensor(first):
-        return None
-    if p.is_nll_loss(loss):
-        return _reject(loss, "nll_loss over DTensor log-probabilities (use cross_entropy)")
-    order = order or safety.node_order(loss.graph)
-    args = p.bind(loss, F.cross_entropy)
-    bad = _bad_options(args)
-    if bad is not None:
-        return _reject(loss, bad, verdicts.UNSUPPORTED_OPTION)
-    walked = _walk(loss, args["input"])
-    if isinstance(walked, verdicts.Rejection):
-        return walked
-    head, chain, walk = walked
-    return _site(loss, args, head, chain, walk, order)
-
-
-def _reaches_dtensor(node: Any) -> bool:
+def on_dtensors(loss: Node) -> bool:
     """Is a DTensor on the chain from the loss input back through each node's first tensor
     operand (the logits' path: views, casts, scaling, softcap, to_local)?"""
+    if DTensor is None:
+        return False
+    node = loss.args[0] if loss.args else loss.kwargs.get("input")
     for _ in range(64):
         if not isinstance(node, Node):
             return False
@@ -167,295 +135,188 @@ def _reaches_dtensor(node: Any) -> bool:
     return False
 
 
-def _bad_options(args: dict) -> str | None:
-    if args["size_average"] is not None or args["reduce"] is not None:
-        return "legacy size_average/reduce arguments"
-    if isinstance(args["ignore_index"], Node) or not isinstance(args["ignore_index"], int):
-        return "ignore_index is not a constant int"
-    if args["reduction"] not in ("mean", "sum", "none"):
-        return f"reduction {args['reduction']!r}"
-    smoothing = args["label_smoothing"]
-    if isinstance(smoothing, Node) or not 0.0 <= float(smoothing) <= 1.0:
-        return f"label_smoothing {smoothing} is not a constant in [0, 1]"
-    target = p.tensor_value(args["target"])
-    if target is None or target.dtype.is_floating_point:
-        return "targets are not class indices"
+def match(loss: Node, order: dict[Node, int]) -> TensorParallelSite | Rejection:
+    """The site of a loss over DTensor logits, or why it is left alone."""
+    if p.is_nll_loss(loss):
+        return Rejection(
+            loss, DTENSOR, "nll_loss over DTensor log-probabilities (use cross_entropy)"
+        )
+    options = w.loss_options(loss)
+    if isinstance(options, Rejection):
+        return options
+    steps = _DTensorSteps()
+    walk = _unsupported_loss(loss, options) or w.walk_to_head(loss, options.logits, steps)
+    if isinstance(walk, Rejection):
+        return walk
+    shard = _unsupported_head(loss, walk.head) or _vocab_shard(loss, walk.head)
+    if isinstance(shard, Rejection):
+        return shard
+    rejected = _why_unsafe(loss, options, walk, order)
+    if rejected is not None:
+        return rejected
+    hidden, classifier, bias = p.linear_operands(walk.head)
+    return TensorParallelSite(
+        **w.site_fields(loss, options, walk, hidden, classifier, bias),
+        shard=shard,
+        dtensor_loss=not steps.local,
+    )
+
+
+def _unsupported_loss(loss: Node, options: w.LossOptions) -> Rejection | None:
+    """What the vocabulary-parallel op does not take of a loss the single-device op takes."""
+    if options.views:
+        return Rejection(
+            loss, UNSUPPORTED_OP, "cross_entropy over DTensor logits with the classes in dim 1"
+        )
+    if isinstance(options.label_smoothing, Node):
+        return Rejection(loss, UNSUPPORTED_OPTION, "label_smoothing is not a constant")
+    for name, node in (("target", options.target), ("weight", options.weight)):
+        if _is_dtensor(node):
+            return Rejection(
+                loss, DTENSOR, f"the {name} of the loss is a DTensor (a plain tensor expected)"
+            )
     return None
 
 
-@dataclasses.dataclass
-class _Walk:
-    row_indices: list[Any] = dataclasses.field(default_factory=list)  # reversed
-    scale_factors: list[tuple[Any, bool]] = dataclasses.field(default_factory=list)
-    softcap: Any = None
-    local: bool = False  # the logits became plain through to_local() of replicated ones
+class _DTensorSteps:
+    """The walk's steps through DTensor logits, tried before the shared ones: placements
+    checked at every node, ``redistribute`` (moves data, never changes values) and
+    ``to_local`` of replicated logits gone through; constants the op takes as they are."""
 
+    def __init__(self) -> None:
+        self.local = False  # the logits became plain through to_local() of replicated ones
 
-def _walk(loss: Node, start: Node) -> tuple[Node, list[Node], _Walk] | Any:
-    """From the loss input back to the DTensor head: (head, chain in forward order, walk)."""
-    walk = _Walk()
-    chain: list[Node] = []
-    node = start
-    while True:
-        if p.is_linear(node):
-            if not _is_dtensor(node):
-                return _reject(loss, f"{node.name}: a plain head under DTensor logits")
-            return node, list(reversed(chain)), walk
-        if not isinstance(node, Node):
-            return _reject(loss, f"{node!r} on the logits' chain", verdicts.UNSUPPORTED_OP)
-        chain.append(node)
+    def __call__(self, loss: Node, node: Node, walk: w.Walk) -> Node | Rejection | None:
         if _is_dtensor(node) and not (_class_sharded(node) or _replicated(node)):
-            return _reject(loss, f"{node.name} has placements {_placements(node)}")
+            return Rejection(loss, DTENSOR, f"{node.name} has placements {_placements(node)}")
         if _dtensor_method(node, "to_local"):
-            source = node.args[0]
-            if not _replicated(source):
-                return _reject(
-                    loss,
-                    f"{node.name}: to_local() of logits placed {_placements(source)}: each "
-                    "rank's loss over its own vocabulary shard, not the vocabulary-parallel "
-                    "cross-entropy",
-                )
-            walk.local = True
-            node = source
-            continue
-        if _dtensor_method(node, "redistribute"):  # moves data, never changes values
-            node = node.args[0]
-            continue
-        dtype = p.cast_dtype(node)
-        if dtype is not None:
-            if dtype != torch.float32:
-                return _reject(
-                    loss, f"{node.name} casts the logits to {dtype}", verdicts.UNSUPPORTED_OP
-                )
-            node = node.args[0]
-            continue
-        if p.is_method(node, {"contiguous"}) or p.is_row_view(node):
-            if p.is_row_view(node) and walk.row_indices:
-                return _reject(
-                    loss, f"{node.name}: rows sliced after a reshape", verdicts.UNSUPPORTED_OP
-                )
-            node = node.args[0]
-            continue
-        index = p.row_index(node)
-        if index is not None:
-            walk.row_indices.append(index)
-            node = node.args[0]
-            continue
-        capped = _softcap(node)
-        if capped is not None and walk.softcap is None and not walk.scale_factors:
-            node, walk.softcap, tanh_nodes = capped
-            chain.extend(tanh_nodes)
-            continue
-        scaled = p.is_scale(node)
-        if scaled is not None and not isinstance(scaled[1], Node):
-            tensor, factor, divides = scaled
-            if safety.bad_constant("factor", factor, zero_ok=not divides) is not None:
-                return _reject(
-                    loss, f"{node.name}: logits scaled by {factor}", verdicts.UNSUPPORTED_OPTION
-                )
-            walk.scale_factors.append((factor, divides))
-            node = tensor
-            continue
-        what = node.target if node.op != "placeholder" else "a graph input"
-        return _reject(
-            loss, f"{node.name}: {what} on the DTensor logits' chain", verdicts.UNSUPPORTED_OP
-        )
-
-
-def _softcap(node: Node) -> tuple[Node, Any, list[Node]] | None:
-    """``p.softcap`` with a constant c the op can take (0 or inf is no softcap)."""
-    capped = p.softcap(node)
-    if capped is None or isinstance(capped[1], Node):
+            return self._to_local(loss, node)
+        if _dtensor_method(node, "redistribute"):
+            return node.args[0]
+        if p.is_passthrough(node) and not p.is_method(node, {"contiguous"}):
+            return Rejection(loss, UNSUPPORTED_OP, f"{node.name}: {node.target} of DTensor logits")
+        if _symbolic_constant(node):
+            return Rejection(
+                loss, UNSUPPORTED_OP, f"{node.name}: a symbolic constant on DTensor logits"
+            )
         return None
-    if safety.bad_constant("the softcap", capped[1], zero_ok=False) is not None:
-        return None
-    return capped
+
+    def _to_local(self, loss: Node, node: Node) -> Node | Rejection:
+        source = node.args[0]
+        if not _replicated(source):
+            return Rejection(
+                loss,
+                DTENSOR,
+                f"{node.name}: to_local() of logits placed {_placements(source)}: each rank's "
+                "loss over its own vocabulary shard, not the vocabulary-parallel cross-entropy",
+            )
+        self.local = True
+        return source
 
 
-def _site(loss, args, head, chain, walk, order) -> TensorParallelSite | Any:
+def _symbolic_constant(node: Node) -> bool:
+    """A softcap or scale whose constant is a graph node: the vocabulary-parallel op takes
+    constants only."""
+    return any(
+        found is not None and isinstance(found[1], Node)
+        for found in (p.softcap(node), p.is_scale(node))
+    )
+
+
+def _unsupported_head(loss: Node, head: Node) -> Rejection | None:
+    """The head must be a ``linear`` of DTensors, computing in a dtype the op takes."""
+    if not p.is_linear(head):
+        return Rejection(loss, UNSUPPORTED_OP, f"{head.name}: {head.target} of DTensors")
+    if not _is_dtensor(head):
+        return Rejection(loss, DTENSOR, f"{head.name}: a plain head under DTensor logits")
+    return w.unsupported_head_dtype(loss, head)
+
+
+def _vocab_shard(loss: Node, head: Node) -> Any:
+    """The shard of the vocabulary this rank's classifier holds (``sharding.VocabShard``), or
+    why the head is no vocabulary-parallel head: the classifier must be ``Shard(0)`` on a 1-D
+    mesh, hidden a DTensor that DTensor can gather, the bias sharded like the classifier."""
     _, sharding, _ = _ops()
     hidden, classifier, bias = p.linear_operands(head)
     weight = p.tensor_value(classifier)
     shard = sharding.vocab_shard(weight)
     if isinstance(shard, str):
-        return _reject(loss, shard)
+        return Rejection(loss, DTENSOR, shard)
     hidden_value = p.tensor_value(hidden)
     if not isinstance(hidden_value, DTensor):
-        return _reject(loss, f"{hidden.name}: plain hidden states with a DTensor classifier")
+        return Rejection(
+            loss, DTENSOR, f"{hidden.name}: plain hidden states with a DTensor classifier"
+        )
     why = sharding.replicated_input(hidden_value, weight.device_mesh)
     if why is not None:
-        return _reject(loss, why)
-    if bias is not None and (
-        not isinstance(p.tensor_value(bias), DTensor) or _placements(bias) != (Shard(0),)
-    ):
-        return _reject(loss, "the bias is not a Shard(0) DTensor like the classifier")
-    head_dtype = p.tensor_value(head).dtype
-    if head_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return _reject(loss, f"head computes in {head_dtype}", verdicts.UNSUPPORTED_OPTION)
-    for name in ("target", "weight"):
-        if _is_dtensor(args[name]):
-            return _reject(loss, f"the {name} of the loss is a DTensor (a plain tensor expected)")
-    if safety.grad_mode_changes(head, loss, order):  # eager's logits would carry no gradient
-        return _reject(loss, "grad mode changes between the head and the loss (no_grad?)")
-    targets = p.element_source(args["target"])
-    written = safety.first_write([hidden, classifier, bias, head, *chain], head, loss, order)
-    written = written or safety.first_write([targets, args["weight"]], head, loss, order)
-    if written is not None:
-        writer, target = written
-        return _reject(loss, f"{writer.name} writes {target.name} in place", verdicts.MUTATION)
-    # (after the writes: an in-place op on the logits is also one of their users)
-    outside = [u.name for n in (head, *chain) for u in n.users if u not in (*chain, loss)]
-    if outside:
-        return _reject(
-            loss,
-            f"the logits are also used by {', '.join(sorted(set(outside)))}",
-            verdicts.ESCAPES,
+        return Rejection(loss, DTENSOR, why)
+    if bias is not None and (not _is_dtensor(bias) or _placements(bias) != (Shard(0),)):
+        return Rejection(loss, DTENSOR, "the bias is not a Shard(0) DTensor like the classifier")
+    return shard
+
+
+def _why_unsafe(
+    loss: Node, options: w.LossOptions, walk: w.Walk, order: dict[Node, int]
+) -> Rejection | None:
+    """Eager's logits would carry no gradient, something writes what the op reads, or the
+    logits have other users."""
+    head, chain = walk.head, walk.chain
+    if safety.grad_mode_changes(head, loss, order):
+        return Rejection(
+            loss, DTENSOR, "grad mode changes between the head and the loss (no_grad?)"
         )
-    return TensorParallelSite(
-        loss=loss,
-        head=head,
-        hidden=hidden,
-        classifier=classifier,
-        bias=bias,
-        chain=chain,
-        row_indices=list(reversed(walk.row_indices)),
-        targets=targets,
-        loss_targets=args["target"],
-        class_weights=args["weight"],
-        ignore_index=args["ignore_index"],
-        reduction=args["reduction"],
-        label_smoothing=float(args["label_smoothing"]),
-        softcap=walk.softcap,
-        scale_factors=list(reversed(walk.scale_factors)),
-        compute_dtype=head_dtype,
-        shard=shard,
-        dtensor_loss=not walk.local,
-    )
+    hidden, classifier, bias = p.linear_operands(head)
+    targets = p.element_source(options.target)
+    regions = [
+        ([hidden, classifier, bias, head, *chain], head, loss),
+        ([targets, options.weight], head, loss),
+    ]
+    written = safety.write_in_region(loss, regions, order)
+    if written is not None:
+        return written
+    # (after the writes: an in-place op on the logits is also one of their users)
+    outside = escapes.outside_users([head, *chain], [*chain, loss, *options.loss_side])
+    if outside:
+        users = ", ".join(sorted(u.name for u in outside))
+        return Rejection(loss, ESCAPES, f"the logits are also used by {users}")
+    return None
 
 
-class _Emitter:
-    """Creates nodes before ``anchor``, evaluated under the graph's fake mode for their
-    example values, with the anchor's source meta."""
-
-    def __init__(self, graph: Graph, anchor: Node):
-        self.graph, self.anchor = graph, anchor
-        self.fake_mode = _fake_mode(graph)
-
-    def __call__(self, op: str, target, *args: Any, **kwargs: Any) -> Node:
-        with self.graph.inserting_before(self.anchor):
-            node = self.graph.create_node(op, target, args, kwargs)
-        p.copy_source_meta(node, self.anchor)
-        with self.fake_mode:
-            if op == "call_method":
-                this, *rest = p.example_args(args)
-                value = getattr(this, target)(*rest, **p.example_args(kwargs))
-            else:
-                value = target(*p.example_args(args), **p.example_args(kwargs))
-        node.meta["example_value"] = value
-        if not isinstance(value, DTensor):
-            node.meta["val"] = value
-        return node
-
-    def call(self, target, *args: Any, **kwargs: Any) -> Node:
-        return self("call_function", target, *args, **kwargs)
-
-    def method(self, name: str, *args: Any, **kwargs: Any) -> Node:
-        return self("call_method", name, *args, **kwargs)
-
-
-def _fake_mode(graph: Graph) -> Any:
-    """The fake mode of the graph's example values (a DTensor's is its local tensor's)."""
-    for node in graph.nodes:
-        value = p.tensor_value(node)
-        if isinstance(value, DTensor):
-            value = value._local_tensor
-        if getattr(value, "fake_mode", None) is not None:
-            return value.fake_mode
-    raise RuntimeError("a Dynamo graph without fake example values")
-
-
-def _logit_scale(site: TensorParallelSite) -> float:
-    scale = 1.0
-    for factor, divides in site.scale_factors:
-        scale = scale / factor if divides else scale * factor
-    return float(scale)
-
-
-def rewrite(graph: Graph, site: TensorParallelSite) -> Node:
+def _rewrite(graph: Graph, site: TensorParallelSite) -> Node:
     """Replace ``site`` in ``graph`` (module docstring); returns the op node."""
     ops, _, forward = _ops()
-    loss = site.loss
-    emit = _Emitter(graph, loss)
+    emit = Emitter(graph, site.loss)
     hidden = site.hidden
     if not _replicated(hidden):  # a sequence-sharded input: DTensor gathers it
         hidden = emit.method("redistribute", hidden, placements=(Replicate(),))
     # The op's hidden gradient is this rank's partial sum; DTensor reduces it once.
     rows = emit.method("to_local", hidden, grad_placements=(Partial(),))
-    for index in site.row_indices:
-        rows = emit.call(operator.getitem, rows, index)
-    hidden3 = _canonical(emit, rows)
+    hidden = canonical_hidden(emit, rows_of_hidden(emit, rows, site))
     classifier = emit.method("to_local", site.classifier)
     bias = None if site.bias is None else emit.method("to_local", site.bias)
-    shape = p.tensor_value(hidden3).shape
-    sizes = (
-        [emit.call(aten.sym_size.int, hidden3, i) for i in (0, 1)]
-        if any(isinstance(s, torch.SymInt) for s in shape[:2])
-        else list(shape[:2])
-    )
-    targets = emit.call(aten.reshape.default, site.targets, sizes)
-    op = emit.call(
+    op = emit(
         torch.ops.cce.vocab_parallel_cross_entropy.default,
         *forward.build(
-            hidden=hidden3,
+            hidden=hidden,
             classifier=classifier,
-            targets=targets,
+            targets=targets_as_rows(emit, site.targets, hidden),
             bias=bias,
             class_weights=site.class_weights,
             compute_dtype=site.compute_dtype,
-            ignore_index=site.ignore_index,
-            reduction=site.reduction,
-            label_smoothing=site.label_smoothing,
-            softcap=None if site.softcap is None else float(site.softcap),
-            logit_scale=_logit_scale(site),
-            shift=0,  # row slices were replayed on hidden
-            z_loss=0.0,
+            **loss_arguments(emit, site),
             vocab_start=site.shard.start,
             vocab_size=site.shard.size,
             group_name=site.shard.group_name,
             reduce_hidden_grad=False,
             lse_all_rows=False,
             implementation_version=ops.IMPLEMENTATION_VERSION,
+            skip_ignored=site_skips_ignored(),
         ),
     )
-    new_loss = emit.call(operator.getitem, op, 0)
-    if site.reduction == "none":
-        target_shape = p.tensor_value(site.loss_targets).shape
-        if any(isinstance(s, torch.SymInt) for s in target_shape):
-            target_shape = [
-                emit.call(aten.sym_size.int, site.loss_targets, i) for i in range(len(target_shape))
-            ]
-        new_loss = emit.call(aten.reshape.default, new_loss, list(target_shape))
-    dtype = p.tensor_value(loss).dtype
-    if dtype != torch.float32:
-        new_loss = emit.call(aten._to_copy.default, new_loss, dtype=dtype)
+    new_loss = loss_value(emit, site, op)
     if site.dtensor_loss:
-        mesh = emit.call(getattr, site.classifier, "device_mesh")
-        new_loss = emit.call(DTensor.from_local, new_loss, mesh, (Replicate(),), run_check=False)
-    loss.replace_all_uses_with(new_loss)
-    graph.erase_node(loss)
-    for node in [*reversed(site.chain), site.head]:
-        if not node.users:
-            graph.erase_node(node)
+        mesh = emit(getattr, site.classifier, "device_mesh")
+        new_loss = emit(DTensor.from_local, new_loss, mesh, (Replicate(),), run_check=False)
+    site.loss.replace_all_uses_with(new_loss)
+    erase_unused(graph, [site.loss, *reversed(site.loss_views), *reversed(site.chain), site.head])
     return op
-
-
-def _canonical(emit: _Emitter, hidden: Node) -> Node:
-    """hidden (..., D) -> (B, T, D), a view."""
-    ndim = p.tensor_value(hidden).dim()
-    if ndim == 1:
-        return emit.call(aten.view.default, hidden, [1, 1, -1])
-    if ndim == 2:
-        return emit.call(aten.unsqueeze.default, hidden, 0)
-    if ndim == 3:
-        return hidden
-    return emit.call(aten.flatten.using_ints, hidden, 0, ndim - 3)

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from harness import OP, check
 
+import cce_compile
 from cce_compile.op_signature import FORWARD
 
 REPLACED = {
@@ -353,6 +354,63 @@ def test_bf16_weights_need_no_rounding():
     assert op.args[FORWARD.index("compute_dtype")] is None
 
 
+# --- dead uses of the logits ------------------------------------------------------------------
+# Dead code (a view nothing reads, a chain of them) decides nothing: the site is rewritten and
+# the dead views go with the logits. Dynamo keeps them in the graph. (Sizes are read from the
+# logits, not written as constants: a constant size would specialise the symbolic one under
+# dynamic=True, and Dynamo then reads ``logits.shape[-1]`` as a ``size()`` of the logits.)
+
+
+def _dead_view_class_dim_1(x, w, b, y):
+    logits = F.linear(x, w)
+    logits.view(-1, logits.shape[-1])  # never used
+    return F.cross_entropy(logits.transpose(1, 2), y)
+
+
+def _dead_reshape(x, w, b, y):
+    logits = F.linear(x, w)
+    logits.reshape(-1, logits.size(-1))
+    return ce(logits, y)
+
+
+def _dead_chain_of_views_class_dim_1(x, w, b, y):
+    logits = F.linear(x, w, b)
+    logits.flatten(0, 1).float().view(logits.shape).contiguous()
+    return F.cross_entropy(logits.permute(0, 2, 1), y, reduction="none").sum()
+
+
+def _dead_views_of_the_chain_and_of_log_softmax(x, w, b, y):
+    logits = torch.tanh(F.linear(x, w) / 4.0) * 4.0
+    logits.flatten(0, 1)
+    log_probs = F.log_softmax(logits.float(), -1)
+    log_probs.reshape(-1, log_probs.shape[-1])
+    return F.nll_loss(log_probs.flatten(0, 1), y.view(-1))
+
+
+def _dead_view_beside_a_z_loss(x, w, b, y):
+    logits = F.linear(x, w).float()
+    logits.view(-1, logits.shape[-1])
+    z = torch.logsumexp(logits, dim=-1)
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten()) + 1e-3 * z.pow(2).mean()
+
+
+DEAD_USES = {
+    "dead-view-class-dim-1": _dead_view_class_dim_1,
+    "dead-reshape": _dead_reshape,
+    "dead-chain-of-views-class-dim-1": _dead_chain_of_views_class_dim_1,
+    "dead-views-of-the-chain-and-of-log_softmax": _dead_views_of_the_chain_and_of_log_softmax,
+    "dead-view-beside-a-z-loss": _dead_view_beside_a_z_loss,
+}
+
+
+@pytest.mark.parametrize("fn", DEAD_USES.values(), ids=DEAD_USES.keys())
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_dead_uses_of_the_logits_do_not_block_the_rewrite(fn, dynamic):
+    outcome = check(fn, inputs(), dynamic=dynamic)
+    assert outcome.rewritten == 1 and outcome.skipped == {}, outcome
+    assert fused(outcome) and torch.logsumexp not in outcome.targets()
+
+
 # --- left alone ------------------------------------------------------------------------------
 
 
@@ -400,6 +458,17 @@ def test_left_alone_matches_eager(fn, reason):
     else:
         assert outcome.rewritten == 0 and outcome.skipped == {reason: 1}
         assert not outcome.has_op
+
+
+def test_escaping_logits_name_their_users_not_the_class_dim_move():
+    def fn(x, w, y):
+        logits = F.linear(x, w)
+        return F.cross_entropy(logits.transpose(1, 2), y), logits.argmax(-1)
+
+    x, w, _, y = inputs()
+    (site,) = cce_compile.explain(fn, x, w, y).sites
+    assert site.reason == "logits_escape"
+    assert "also used by argmax;" in site.detail, site.detail
 
 
 def test_probability_targets_left_alone():

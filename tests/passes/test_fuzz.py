@@ -1,7 +1,8 @@
 """Hypothesis fuzzing of matched graphs.
 
-Small models are composed from a head, a chain of row-wise ops, a loss and an optional extra
-user of the logits, with random shapes and options. Each is compiled with the pass and checked:
+Small models are composed from a head, a chain of row-wise ops, a loss, an optional extra
+user of the logits and optional dead uses of them (views nothing reads), with random shapes and
+options. Each is compiled with the pass and checked:
 (a) rewritten iff legal (else skipped for the expected reason), (b) the same loss and gradients
 as eager, (c) no graph break (fullgraph) and, with dynamic=True, no recompile for a second size.
 ``--fuzz-examples N`` raises the CI budget.
@@ -20,8 +21,12 @@ from hypothesis import strategies as st
 
 HEADS = ["linear", "linear-bias", "matmul-T", "matmul-t", "mm-flat"]
 CHAIN_OPS = ["float", "view", "contiguous", "scale", "softcap", "slice"]
-LOSSES = ["mean", "sum", "none", "smoothing", "weights", "nll", "sum-div"]
+LOSSES = ["mean", "sum", "none", "smoothing", "weights", "nll", "sum-div", "class-dim-1"]
 EXTRA = ["none", "returned", "z-loss", "second-loss"]
+# Uses of the logits that nothing reads (dead code decides no escape): a view of the head's
+# output, a reshape of the loss input, a chain of views of the head's output. Their sizes are
+# read from the logits: a constant would specialise a dynamic size.
+DEAD_USES = ["none", "view", "reshape", "chain-of-views"]
 # What users do around the site that must not change the result: in-place writes (to what the
 # op reads, or to later targets, which it may), grad mode, and edge constants.
 HAZARDS = [
@@ -45,6 +50,7 @@ class Model:
     cap: float
     scale: float
     hazard: str = "none"
+    dead: str = "none"
 
     def legal(self) -> set[str]:
         """The reasons the pass may give for leaving the site alone; empty if it must
@@ -71,6 +77,10 @@ class Model:
             x, w = x * 1.0, w.detach()
         with torch.no_grad() if self.hazard == "no-grad-head" else contextlib.nullcontext():
             z = self._head(x, w, b)
+        if self.dead == "view":
+            z.view(-1, z.shape[-1])
+        elif self.dead == "chain-of-views":
+            z.view(-1, z.shape[-1]).float().view(z.shape).contiguous()
         if self.hazard == "mutate-hidden":
             x.mul_(2.0)
         elif self.hazard == "mutate-logits":
@@ -126,8 +136,12 @@ class Model:
         if self.hazard == "divide-by-zero":
             z = z / 0.0
         escaped = z
+        if self.dead == "reshape":
+            z.reshape(-1, z.shape[-1])
         z2, t2 = z.reshape(-1, z.shape[-1]), targets.reshape(-1)
-        if self.loss == "nll":
+        if self.loss == "class-dim-1" and z.dim() == 3:  # (B, V, T): classes in dim 1
+            loss = F.cross_entropy(z.transpose(1, 2), targets)
+        elif self.loss == "nll":
             loss = F.nll_loss(F.log_softmax(z2, dim=-1), t2)
         elif self.loss == "sum-div":
             loss = F.cross_entropy(z2, t2, reduction="sum") / 7
@@ -137,8 +151,8 @@ class Model:
             loss = F.cross_entropy(z2, t2, label_smoothing=0.15)
         elif self.loss == "weights":
             loss = F.cross_entropy(z2, t2, weight=cw)
-        else:
-            loss = F.cross_entropy(z2, t2, reduction=self.loss)
+        else:  # mean, sum; class-dim-1 of 2-D logits (no class dim to move) takes the mean
+            loss = F.cross_entropy(z2, t2, reduction="sum" if self.loss == "sum" else "mean")
         if self.extra == "z-loss":
             return loss + 1e-2 * torch.logsumexp(escaped.float(), -1).square().mean()
         if self.extra == "second-loss":
@@ -160,6 +174,7 @@ def models(draw):
         cap=draw(st.sampled_from([3.0, 20.0])),
         scale=draw(st.sampled_from([0.5, 2.0])),
         hazard=draw(st.sampled_from(HAZARDS)),
+        dead=draw(st.sampled_from(DEAD_USES)),
     )
 
 

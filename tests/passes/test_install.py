@@ -243,3 +243,14 @@ def test_backend_by_name_through_the_entry_point(installed_venv, tmp_path):
     result = _run(installed_venv, {}, "cce", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "REWRITTEN 1" in result.stdout
+
+
+def test_enable_raises_a_bad_environment_setting_at_once(monkeypatch):
+    """A bad value in the environment is one line at enable(), not a failure inside the first
+    compile (the pass's uuid reads the settings there)."""
+    from cce_compile import config
+
+    error = config.SettingsError("CCE_MODE='turbo' is not one of auto, lean, fast")
+    monkeypatch.setattr(config, "_environ_error", error)
+    with pytest.raises(config.SettingsError, match="CCE_MODE='turbo'"):
+        cce_compile.enable()

@@ -78,7 +78,10 @@ def _gpt2_without_loss_type():
 
 def _llama_with_gradient_checkpointing():
     model = hf_zoo.tiny("llama")
-    model.gradient_checkpointing_enable()  # use_cache=True: a warning inside the forward
+    # use_cache=True: a warning inside the forward. transformers 5 renamed the call
+    # (gradient_checkpointing_enable is its deprecated alias, with a FutureWarning).
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    (enable or model.gradient_checkpointing_enable)()
     return model
 
 

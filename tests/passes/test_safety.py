@@ -165,6 +165,19 @@ def test_writes_outside_the_region_and_to_later_targets_are_fine():
     assert outcome.rewritten == 1 and outcome.has_op
 
 
+def test_an_unused_random_draw_from_the_logits_still_counts_as_a_user():
+    """Dead code decides no escape, but an unused dropout of the logits is no dead code: it
+    draws random numbers, and erasing it with the logits would shift every later draw."""
+
+    def fn(x, w, b, y):
+        logits = F.linear(x, w)
+        F.dropout(logits, 0.5)
+        return ce(logits, y)
+
+    outcome = check(fn, inputs())
+    assert outcome.rewritten == 0 and outcome.skipped == {"logits_escape": 1}, outcome
+
+
 # --- grad mode -------------------------------------------------------------------------------
 
 

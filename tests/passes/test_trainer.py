@@ -97,6 +97,29 @@ def test_trainer_with_a_model_compiled_by_the_cce_backend(tmp_path, eager_losses
     _check(losses, eager_losses)
 
 
+def _lora():
+    peft = pytest.importorskip("peft")
+    adapters = peft.LoraConfig(
+        task_type="CAUSAL_LM", r=4, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]
+    )
+    return peft.get_peft_model(hf_zoo.tiny("llama"), adapters)
+
+
+@pytest.mark.slow
+def test_trainer_with_a_lora_model(tmp_path):
+    """PEFT's usual route: a LoRA model handed to Trainer, as the other tests' model is."""
+    eager = _train(_lora(), tmp_path / "eager")
+    torch._dynamo.reset()
+    with (
+        hook_enabled(),
+        config.override(escaping_logits="drop"),
+        cce_compile.watch() as report,
+    ):
+        losses = _train(_lora(), tmp_path / "compiled", torch_compile=True)
+    assert len(report.rewritten) >= 1 and all(s.logits == "dropped" for s in report.rewritten)
+    _check(losses, eager)
+
+
 def test_trainer_rejects_the_backend_name(tmp_path):
     """accelerate's fixed enum: documented in the README, checked here so that the day it
     accepts the name, the README's advice is revisited."""

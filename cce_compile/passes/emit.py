@@ -1,0 +1,192 @@
+"""Emitting nodes into a Dynamo graph, and what every kind of site's surgery emits alike.
+
+The plain surgery emits only ``torch.ops`` overloads and builtins (a Python-function target
+would make AOTAutograd bypass its cache); the tensor-parallel one also DTensor's methods and
+``DTensor.from_local``, as Dynamo traces them. Every new node gets ``example_value`` (and
+``val``, but for a DTensor) computed under the graph's fake mode, and its anchor's source
+location; no placeholder is added; and only replaced nodes that became unused are erased, with
+the dead code that hung on them.
+
+The ops take ``hidden`` as (B, T, D) and ``targets`` as (B, T): hidden keeps the leading shape
+it has at the head (after any replayed row slices) and targets are reshaped to it.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
+
+from .. import config
+from . import predicates as p
+from . import safety
+from .verdicts import Site
+
+aten = torch.ops.aten
+
+
+class Emitter:
+    """Creates nodes right before ``anchor``, with example values and the anchor's source meta."""
+
+    def __init__(self, graph: Graph, anchor: Node):
+        self.graph = graph
+        self.anchor = anchor
+        self.fake_mode = _fake_mode(graph, anchor)
+
+    def __call__(self, target: Any, *args: Any, **kwargs: Any) -> Node:
+        """A call_function node."""
+        return self._emit("call_function", target, args, kwargs)
+
+    def method(self, name: str, *args: Any, **kwargs: Any) -> Node:
+        """A call_method node (``args[0]`` is the tensor)."""
+        return self._emit("call_method", name, args, kwargs)
+
+    def _emit(self, op: str, target: Any, args: tuple, kwargs: dict) -> Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.create_node(op, target, args, kwargs)
+        p.copy_source_meta(node, self.anchor)
+        values, named = p.example_args(args), p.example_args(kwargs)
+        with self.fake_mode:
+            if op == "call_method":
+                value = getattr(values[0], target)(*values[1:], **named)
+            else:
+                value = target(*values, **named)
+        node.meta["example_value"] = value
+        if not p.is_dtensor(value):
+            node.meta["val"] = value
+        # A size that depends on data (the op's row_index) is a new unbacked symbol: bind it
+        # to this node, as Dynamo does for the nodes it traces.
+        shape_env = getattr(self.fake_mode, "shape_env", None)
+        if shape_env is not None:
+            bindings = compute_unbacked_bindings(shape_env, value)
+            if bindings:
+                node.meta["unbacked_bindings"] = bindings
+        return node
+
+
+def _fake_mode(graph: Graph, anchor: Node) -> Any:
+    """The fake mode of the graph's example values: the anchor's, else the first one found (a
+    DTensor's is its local tensor's)."""
+    for node in [anchor, *graph.nodes]:
+        value = p.tensor_value(node)
+        value = getattr(value, "_local_tensor", value)
+        if getattr(value, "fake_mode", None) is not None:
+            return value.fake_mode
+    raise RuntimeError("a Dynamo graph without fake example values")
+
+
+def rows_of_hidden(emit: Emitter, hidden: Node, site: Site) -> Node:
+    """``hidden`` with the site's row slices replayed: the rows the loss reads."""
+    for index in site.row_indices:
+        hidden = emit(operator.getitem, hidden, index)
+    return hidden
+
+
+def canonical_hidden(emit: Emitter, hidden: Node) -> Node:
+    """hidden (..., D) -> (B, T, D), a view: rows keep their order."""
+    ndim = p.tensor_value(hidden).dim()
+    if ndim == 1:
+        return emit(aten.view.default, hidden, [1, 1, -1])
+    if ndim == 2:
+        return emit(aten.unsqueeze.default, hidden, 0)
+    if ndim == 3:
+        return hidden
+    return emit(aten.flatten.using_ints, hidden, 0, ndim - 3)
+
+
+def targets_as_rows(emit: Emitter, targets: Node, hidden: Node) -> Node:
+    """The targets reshaped to the (B, T) rows of the canonical ``hidden``."""
+    rows = p.tensor_value(hidden).shape[:2]
+    if any(isinstance(s, torch.SymInt) for s in rows):
+        rows = [emit(aten.sym_size.int, hidden, i) for i in (0, 1)]
+    return emit(aten.reshape.default, targets, list(rows))
+
+
+def shape_of(emit: Emitter, node: Node, leading: int | None = None) -> list[Any]:
+    """``node``'s sizes (its ``leading`` first ones): ints, or ``sym_size`` nodes where any of
+    its sizes is symbolic."""
+    value = p.tensor_value(node)
+    count = value.dim() if leading is None else leading
+    if not any(isinstance(s, torch.SymInt) for s in value.shape):
+        return list(value.shape[:count])
+    return [emit(aten.sym_size.int, node, i) for i in range(count)]
+
+
+def loss_arguments(emit: Emitter, site: Site) -> dict[str, Any]:
+    """The op's loss options (``LossSpec``'s fields, the same for every op) for the site."""
+    return dict(
+        ignore_index=site.ignore_index,
+        reduction=site.reduction,
+        label_smoothing=_as_float(site.label_smoothing),
+        softcap=None if site.softcap is None else _as_float(site.softcap),
+        logit_scale=_as_float(_scalar_product(emit, site.scale_factors)),
+        shift=0,  # row slices were replayed on hidden
+        z_loss=0.0,  # a user's z-loss reads the op's lse instead
+    )
+
+
+def _scalar_product(emit: Emitter, factors: list[tuple[Any, bool]]) -> Any:
+    """The product of (scalar, divides) factors: a float, or a node when any is symbolic."""
+    constant, nodes = 1.0, []
+    for factor, divides in factors:
+        if isinstance(factor, Node):
+            nodes.append((factor, divides))
+        else:
+            constant = constant / factor if divides else constant * factor
+    result: Any = constant
+    for factor, divides in nodes:
+        result = emit(operator.truediv if divides else operator.mul, result, factor)
+    return result
+
+
+def _as_float(value: Any) -> Any:
+    """Python numbers become floats; SymFloat/SymInt nodes stay nodes."""
+    return value if isinstance(value, Node) else float(value)
+
+
+def cast(emit: Emitter, node: Node | None, dtype: torch.dtype) -> Node | None:
+    """``node`` in ``dtype`` (itself if it has it)."""
+    if node is None or p.tensor_value(node).dtype == dtype:
+        return node
+    return emit(aten._to_copy.default, node, dtype=dtype)
+
+
+def loss_value(emit: Emitter, site: Site, op: Node) -> Node:
+    """The op's loss as the graph's loss was: the target's shape for reduction="none", the
+    loss's dtype."""
+    loss = emit(operator.getitem, op, 0)
+    if site.reduction == "none":
+        loss = emit(aten.reshape.default, loss, shape_of(emit, site.loss_targets))
+    return cast(emit, loss, p.tensor_value(site.loss).dtype)
+
+
+def erase_unused(graph: Graph, nodes: list[Any]) -> None:
+    """Erase, in order (users before producers), each of ``nodes`` that nothing but dead code
+    uses any more, that dead code first."""
+    for node in nodes:
+        if not isinstance(node, Node) or node.graph is not graph or safety.live_users(node):
+            continue
+        for dead in _dead_code_on(node):
+            graph.erase_node(dead)
+        graph.erase_node(node)
+
+
+def _dead_code_on(node: Node) -> list[Node]:
+    """The dead nodes that use ``node``, directly or through each other, users first."""
+    found: list[Node] = []
+    for user in node.users:
+        for dead in [*_dead_code_on(user), user]:
+            if dead not in found:
+                found.append(dead)
+    return found
+
+
+def site_skips_ignored() -> bool:
+    """CCE_SKIP_IGNORED, unless Inductor runs this graph as CUDA graphs: compaction sizes
+    the work by the targets' values (a host sync), which a captured graph cannot do."""
+    import torch._inductor.config as inductor_config
+
+    return config.get().skip_ignored and not inductor_config.triton.cudagraphs

@@ -1,0 +1,145 @@
+"""Who else uses the logits, and whether that stops a rewrite.
+
+Every user of the head's output or of a node of the chain, besides the chain, the loss and the
+nodes between them, is one of:
+
+* dead code (an unused ``logits.view(-1, V)``, a chain of them): ignored, and erased with the
+  chain when the site is rewritten;
+* a ``logsumexp`` over the logits at the loss rows (a z-loss), possibly through float32 casts:
+  the op's lse can serve it;
+* anything else: the logits escape. ``CCE_ESCAPING_LOGITS`` decides: keep (leave the site
+  alone), rewrite (fuse and keep the logits), drop (fuse a training loss whose logits are only
+  returned, and return a data-less meta tensor in their place).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from . import predicates as p
+from . import safety
+
+
+def outside_users(nodes: list[Node], inside: list[Node]) -> list[Node]:
+    """The live users of ``nodes`` that are not in ``inside``, each once, in order."""
+    users: dict[Node, None] = {}
+    for node in nodes:
+        for user in safety.live_users(node):
+            if user not in inside:
+                users.setdefault(user)
+    return list(users)
+
+
+@dataclasses.dataclass
+class LogitsUsers:
+    """The users of the logits outside the site, by what the rewrite can do with them."""
+
+    lse_users: list[Node]  # logsumexp nodes the op's lse can serve
+    side_nodes: list[Node]  # casts between the logits and a served logsumexp, erased with it
+    escaping: list[Node]  # head / chain nodes that something else uses
+
+
+def classify_users(
+    head: Node, chain: list[Node], inside: list[Node], z_level: set[Node]
+) -> LogitsUsers:
+    """Sort the live users of ``head`` and ``chain`` that are not in ``inside`` (the chain, the
+    loss and the nodes between them): a logsumexp over z (``z_level``), or escaping."""
+    found = LogitsUsers([], [], [])
+    for node in [head, *chain]:
+        for user in outside_users([node], inside):
+            path, end = _through_casts(user)
+            source = path[-1] if path else node
+            if node in z_level and p.logsumexp_input(end) is source:
+                found.lse_users.append(end)
+                found.side_nodes.extend(path)
+            elif node not in found.escaping:
+                found.escaping.append(node)
+    return found
+
+
+def _through_casts(user: Node) -> tuple[list[Node], Node]:
+    """Follow single-user float32 casts and contiguous() from ``user``: (those nodes, end)."""
+    path: list[Node] = []
+    while p.cast_dtype(user) == torch.float32 or p.is_passthrough(user):
+        users = safety.live_users(user)
+        if len(users) != 1:
+            break
+        path.append(user)
+        user = users[0]
+    return path, user
+
+
+def rows_at_hidden(head: Node, chain: list[Node]) -> tuple:
+    """Leading shape of the logits where the op sees hidden: after the row slices."""
+    shape = p.tensor_value(head).shape[:-1]
+    for node in chain:
+        if p.row_index(node) is not None:
+            shape = p.tensor_value(node).shape[:-1]
+    return tuple(shape)
+
+
+def lse_shape(user: Node, targets: Node, rows: tuple) -> Any:
+    """How the op's lse (one per row) reshapes to ``user``'s shape, if it can: "targets" (the
+    loss target's shape), "rows" (``rows``, the leading shape at hidden), "flat", or the
+    user's sizes as ints and the graph's SymInt nodes; None if a size has no node."""
+    shape = tuple(p.tensor_value(user).shape)
+
+    def same(a, b):
+        return len(a) == len(b) and all(p.same_size(x, y) for x, y in zip(a, b))
+
+    if same(shape, tuple(p.tensor_value(targets).shape)):
+        return "targets"
+    if same(shape, rows):
+        return "rows"
+    if len(shape) == 1:
+        return "flat"
+    # Dynamo keeps every symbolic size as a SymInt node (its placeholders), so a shape the
+    # logits had can be rebuilt without keeping the logits alive.
+    holders = p.symint_holders(user.graph)
+    sizes = [
+        holders.get(str(size.node.expr)) if isinstance(size, torch.SymInt) else int(size)
+        for size in shape
+    ]
+    return None if any(size is None for size in sizes) else sizes
+
+
+def returned_only(escaping: list[Node], logits: list[Node], inside: list[Node]) -> bool:
+    """Is every escaping node one of the ``logits`` (head or chain), used outside ``inside``
+    only as an output of the graph (a model returning its logits)?"""
+    return all(
+        node in logits and all(u.op == "output" for u in outside_users([node], inside))
+        for node in escaping
+    )
+
+
+def shapes_rebuildable(logits: list[Node], hidden: Node, targets: Node) -> bool:
+    """Can every size of these logits be read from a node that outlives them (for the
+    placeholder that replaces them)?"""
+    holders = p.symint_holders(hidden.graph)
+    return all(
+        p.size_source(size, holders, [hidden, targets]) is not None
+        for node in logits
+        for size in p.tensor_value(node).shape
+    )
+
+
+def escape_detail(
+    escaping: list[Node], inside: list[Node], policy: str, training: bool, returned: bool
+) -> str:
+    """Who else uses the logits, and the setting that would fuse the loss anyway."""
+    users = sorted(u.name for u in outside_users(escaping, inside))
+    what = "returned by the graph" if returned else f"also used by {', '.join(users)}"
+    if returned and training:
+        fix = "CCE_ESCAPING_LOGITS=drop fuses this training loss (=rewrite keeps the logits)"
+    elif returned and policy == "drop":
+        fix = (
+            "CCE_ESCAPING_LOGITS=drop applies to training graphs only (this loss needs no "
+            "gradient); =rewrite fuses it and keeps the logits"
+        )
+    else:
+        fix = "CCE_ESCAPING_LOGITS=rewrite fuses the loss and keeps them"
+    return f"the logits are {what}; {fix}"

@@ -1,0 +1,203 @@
+"""The report types: what the pass did with one cross-entropy site (:class:`SiteReport`, made by
+``describe`` from a match), where Dynamo cut a graph (:class:`GraphBreak`), and everything seen
+while compiling (:class:`Report`, what ``explain()`` and ``watch()`` return).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sysconfig
+
+from . import predicates as p
+from .verdicts import (
+    DISABLED,
+    DISABLED_DETAIL,
+    DTENSOR,
+    ESCAPES,
+    GRAPH_BREAK,
+    MUTATION,
+    UNSUPPORTED_OP,
+    Rejection,
+    Site,
+)
+
+_FIX = {
+    ESCAPES: "compile the step that computes the loss from the model's outputs so the "
+    "logits die inside the graph (e.g. `lambda x, y: model(x, labels=y).loss`), or use the "
+    "CCE_ESCAPING_LOGITS setting named above",
+    GRAPH_BREAK: "remove the graph break between lm_head and the loss "
+    "(cce_compile.explain() shows where it is and what removes it); under FSDP2, whose hooks "
+    "cut the frame that holds the head, use cce_compile.distributed.deferred_head "
+    "(docs/distributed.md)",
+    DTENSOR: "only a ColwiseParallel lm_head (weight Shard(0) on a 1-D mesh) with a "
+    "cross_entropy over the whole vocabulary is fused; see docs/distributed.md",
+    DISABLED: "unset CCE_DISABLE",
+    MUTATION: "move the in-place operation before the head or after the loss, or make it "
+    "out of place",
+    UNSUPPORTED_OP: "the pass fuses lm_head -> casts, views, row slices, a constant scale or "
+    "softcap -> cross_entropy (docs/graph_forms.md); move other ops after the loss. A LoRA "
+    "adapter on lm_head adds a low-rank branch to the logits: leave lm_head out of PEFT's "
+    "target_modules (or train it whole with modules_to_save), docs/stacks.md",
+}
+
+
+@dataclasses.dataclass
+class SiteReport:
+    """One cross-entropy call site in a compiled graph."""
+
+    loss: str  # node name
+    location: str  # user source line, from the node's stack trace
+    rewritten: bool
+    reason: str = ""
+    detail: str = ""
+    rows: int | None = None
+    vocab: int | None = None
+    logits_bytes: int | None = None  # what eager stores for this loss: logits + float32 softmax
+    saved_bytes: int = 0  # what the rewrite saves of it (logits kept for other users: less)
+    logits: str = ""  # rewritten: "gone", "kept" (CCE_ESCAPING_LOGITS=rewrite) or "dropped"
+    fix: str = ""  # what to change, when explain() knows better than the reason's usual fix
+
+    @property
+    def advice(self) -> str:
+        return self.fix or _FIX.get(self.reason, "")
+
+    def __str__(self) -> str:
+        head = f"{'REWRITTEN' if self.rewritten else 'skipped'}  {self.loss}  at {self.location}"
+        lines = [head]
+        if self.rows is not None:
+            size = _mib(self.logits_bytes) if self.logits_bytes else "?"
+            memory = f"    logits {self.rows} x {self.vocab}: ~{size} of loss memory in eager"
+            if not self.rewritten:
+                memory += ", not saved"
+            elif self.logits == "kept":
+                memory += (
+                    f"; ~{_mib(self.saved_bytes)} saved (the logits are kept for their other "
+                    "users: CCE_ESCAPING_LOGITS=rewrite)"
+                )
+            else:
+                memory += ", saved"
+                if self.logits == "dropped":
+                    memory += " (the returned logits are a 'meta' tensor: CCE_ESCAPING_LOGITS=drop)"
+            lines.append(memory)
+        if not self.rewritten:
+            lines.append(f"    reason: {self.reason}: {self.detail}")
+            if self.advice:
+                lines.append(f"    fix: {self.advice}")
+        return "\n".join(lines)
+
+    def one_line(self) -> str:
+        """What the pass tells the log once per site it leaves alone."""
+        fix = f" Fix: {self.advice}." if self.advice else ""
+        return (
+            f"cce_compile: left the cross-entropy at {self.location} alone "
+            f"({self.reason}): {self.detail}.{fix}"
+        )
+
+
+def _mib(count: int | None) -> str:
+    return f"{(count or 0) / 2**20:,.1f} MiB"
+
+
+@dataclasses.dataclass
+class GraphBreak:
+    """Where Dynamo cut a graph, and why (its own message's headline and hint)."""
+
+    location: str
+    reason: str
+    hint: str = ""
+    text: str = dataclasses.field(default="", repr=False)  # Dynamo's whole message
+
+    def __str__(self) -> str:
+        hint = f"\n    hint: {self.hint}" if self.hint else ""
+        return f"graph break at {self.location}: {self.reason}{hint}"
+
+
+@dataclasses.dataclass
+class Report:
+    """All sites seen while compiling one call (explain), or in the compiles of a block
+    (watch)."""
+
+    sites: list[SiteReport] = dataclasses.field(default_factory=list)
+    graphs: int = 0
+    breaks: list[GraphBreak] = dataclasses.field(default_factory=list)
+    skipped_frames: list[str] = dataclasses.field(default_factory=list)  # Dynamo ran eagerly
+    unseen_graphs: int = 0  # (watch) graphs Dynamo compiled in the block without the pass
+    _runs: list = dataclasses.field(default_factory=list, repr=False)  # (watch) per graph
+
+    @property
+    def rewritten(self) -> list[SiteReport]:
+        return [s for s in self.sites if s.rewritten]
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(s.saved_bytes for s in self.rewritten)
+
+    def __str__(self) -> str:
+        header = (
+            f"cce_compile: {len(self.sites)} cross-entropy site(s) in {self.graphs} graph(s), "
+            f"{len(self.rewritten)} rewritten, ~{self.saved_bytes / 2**20:,.1f} MiB of logits "
+            "memory saved"
+        )
+        lines = [header, *map(str, self.sites), *map(str, self.breaks)]
+        if self.skipped_frames:
+            lines.append(
+                f"Dynamo ran {len(self.skipped_frames)} frame(s) without compiling them (a "
+                "loss in one of them is not seen):"
+            )
+            lines += [f"    {frame}" for frame in self.skipped_frames]
+        if self.unseen_graphs:
+            lines.append(
+                f"the pass did not run on the {self.unseen_graphs} graph(s) compiled in this "
+                "block: compile with backend='cce' (cce_compile.backend), or call "
+                "cce_compile.enable() (CCE_COMPILE=1) before compiling"
+            )
+        return "\n".join(lines)
+
+
+def is_library_frame(frame: str) -> bool:
+    """A stack-trace line of an installed package (transformers, torch) or of Python itself."""
+    path = frame.split('"')[1] if '"' in frame else frame
+    return any(part in path for part in ("site-packages", "dist-packages")) or path.startswith(
+        _STDLIB
+    )
+
+
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def _location(node) -> str:
+    """Where the user wrote the call: the innermost frame of their own code; in a compiled
+    library model (no user frame), the innermost model ``forward`` (the line that calls the
+    loss), not the loss helper or a decorator."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = [
+        line.strip() for line in trace.strip().splitlines() if line.strip().startswith("File ")
+    ]
+    if not frames:
+        return "<unknown>"
+    own = [f for f in frames if not is_library_frame(f)]
+    forwards = [f for f in frames if f.endswith(" in forward") and "/torch/" not in f]
+    return (own or forwards or frames)[-1].replace("File ", "")
+
+
+def describe(found: Site | Rejection, rewritten: bool) -> SiteReport:
+    """A SiteReport for a site (rewritten, or matched but kept by CCE_DISABLE; a
+    TensorParallelSite's vocab is the classes per rank) or a Rejection."""
+    result = SiteReport(found.loss.name, _location(found.loss), rewritten)
+    if isinstance(found, Rejection):
+        result.reason, result.detail = found.reason, found.detail
+    elif not rewritten:
+        result.reason, result.detail = DISABLED, DISABLED_DETAIL
+    if isinstance(found, Site):
+        rows, vocab = p.size_hint(found.rows), p.size_hint(found.vocab)
+        result.rows, result.vocab = rows, vocab
+        if rows is not None and vocab is not None:
+            head_bytes = p.tensor_value(found.head).element_size()
+            result.logits_bytes = rows * vocab * (head_bytes + 4)
+            if rewritten:
+                # Kept logits stay in memory; only the float32 log-probabilities are saved.
+                kept = found.logits_fate == "kept"
+                result.saved_bytes = rows * vocab * 4 if kept else result.logits_bytes
+        if rewritten:
+            result.logits = found.logits_fate
+    return result

@@ -1,0 +1,35 @@
+"""What the demo prints besides its results: a --help whose examples keep their lines, and no
+profiler chatter from the CPU memory measurement."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from cce_compile.demo.__main__ import parse
+from cce_compile.demo.train import step_peak_bytes
+
+
+def test_help_keeps_one_example_per_line(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    lines = capsys.readouterr().out.splitlines()
+    examples = [line for line in lines if line.startswith("python -m cce_compile.demo ")]
+    assert len(examples) == 3 and any("--arch gla" in line for line in examples), lines
+
+
+def test_memory_profile_drops_kineto_lines_and_keeps_the_rest(capfd):
+    """Kineto writes 'USDT: ... profiler_start' / 'profiler_stop' to descriptor 2 on every
+    profile; what the step itself writes there still comes through."""
+    x = torch.randn(64, requires_grad=True)
+
+    def step():
+        (x * 2).sum().backward()
+        print("the step's own warning", file=sys.stderr)
+
+    assert step_peak_bytes(step) > 0
+    err = capfd.readouterr().err
+    assert "USDT" not in err and "profiler_start" not in err, err
+    assert "the step's own warning" in err
