@@ -22,7 +22,8 @@ code was written for, and that ours agrees with TRL's function on a tiny problem
 
 Served by the op (``reduction='none'``; temperature folded into ``logit_scale`` and
 ``softcap``): SFTTrainer's ``("log_probs", "entropy", "is_top1")``, whose entropy it detaches,
-and a reference model's ``("log_probs",)``. The entropy carries no gradient. Handed to TRL's own
+and a reference model's ``("log_probs",)``. Entropy and argmax are the op's ``return_entropy`` /
+``return_argmax`` outputs, from the loss's own pass, without gradient. Handed to TRL's own
 function unchanged (``_reason_to_hand_over``): ``log_sum_sq_probs`` / ``mean_logits`` (DPO, KTO),
 the RL policies' ``("log_probs", "entropy")`` (GRPO, RLOO: their loss may differentiate the
 entropy, and their no-grad and grad calls must use one kernel for the importance ratio),
@@ -45,7 +46,7 @@ import sys
 import torch
 from torch import Tensor
 
-from ..functional import autocast_dtype, linear_cross_entropy
+from ..functional import linear_cross_entropy
 
 try:
     from torch.distributed.tensor import DTensor
@@ -71,10 +72,6 @@ _FORWARD_PARAMS = (
 _OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 SERVED_OUTPUTS = frozenset({"log_probs", "entropy", "is_top1"})
 _GLOBAL = "_ChunkedLogProbFunction"  # in trl.trainer.utils
-
-# The stop-gap entropy / argmax pass holds at most this many float32 logits at a time.
-_STOPGAP_LOGITS = 1 << 24
-_MM_OUT_DTYPE = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 8)
 
 _original: type | None = None  # TRL's function, while ours is installed
 _counts: dict[str, int] = {"served": 0, "handed_to_trl": 0}
@@ -172,65 +169,6 @@ def _reason_to_hand_over(hidden, weight, bias, temperature, softcap, outputs) ->
     return None
 
 
-@torch.library.custom_op(
-    "cce_trl::entropy_and_argmax",
-    mutates_args=(),
-    schema="(Tensor hidden, Tensor classifier, Tensor targets, Tensor? bias, float logit_scale, "
-    "float? softcap, int ignore_index, ScalarType compute_dtype) -> (Tensor, Tensor)",
-)
-def entropy_and_argmax(
-    hidden, classifier, targets, bias, logit_scale, softcap, ignore_index, compute_dtype
-):
-    """Per-row entropy (float32) and argmax (int64, the first maximum, as ``torch.argmax``) of
-    the logits ``linear_cross_entropy`` computes for the same arguments; 0 and -1 at ignored
-    rows; no gradient. hidden (N, D), classifier (V, D), targets (N,), bias (V,) or None.
-
-    STOP-GAP, replaced by the op's own outputs: once ``linear_cross_entropy`` takes
-    ``return_entropy=True`` / ``return_argmax=True`` (the same values, from its forward pass),
-    ``_serve`` asks the op for them and this second pass over row chunks of float32 logits
-    (operands rounded to ``compute_dtype``, as the op rounds them) goes, with its fake below.
-    A custom op so that torch.compile neither traces the chunk loop (which would specialise
-    the number of rows: a recompile per packed batch) nor breaks the graph.
-    """
-    # float32 products of the rounded operands, without a float32 copy of the classifier
-    # where torch.mm can write them (CUDA, torch >= 2.8).
-    mm_to_float32 = hidden.is_cuda and compute_dtype != torch.float32 and _MM_OUT_DTYPE
-    weight = classifier.to(compute_dtype)
-    weight = weight if mm_to_float32 else weight.float()
-    rows = hidden.shape[0]
-    entropy = torch.zeros(rows, dtype=torch.float32, device=hidden.device)
-    argmax = torch.full((rows,), -1, dtype=torch.int64, device=hidden.device)
-    step = max(1, _STOPGAP_LOGITS // classifier.shape[0])
-    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        for start in range(0, rows, step):
-            end = min(start + step, rows)
-            part = hidden[start:end].to(compute_dtype)
-            if mm_to_float32:
-                logits = torch.mm(part, weight.t(), out_dtype=torch.float32)
-            else:
-                logits = part.float() @ weight.t()
-            if bias is not None:
-                logits = logits + bias.to(compute_dtype).float()
-            logits = logits * logit_scale
-            if softcap is not None:
-                logits = softcap * torch.tanh(logits / softcap)
-            lse = torch.logsumexp(logits, dim=-1)
-            row_entropy = lse - (torch.exp(logits - lse[:, None]) * logits).sum(-1)
-            counted = targets[start:end] != ignore_index
-            entropy[start:end] = torch.where(counted, row_entropy, 0.0)
-            argmax[start:end] = torch.where(counted, logits.argmax(-1), -1)
-    return entropy, argmax
-
-
-@entropy_and_argmax.register_fake
-def _(hidden, classifier, targets, bias, logit_scale, softcap, ignore_index, compute_dtype):
-    rows = hidden.shape[0]
-    return (
-        hidden.new_empty(rows, dtype=torch.float32),
-        hidden.new_empty(rows, dtype=torch.int64),
-    )
-
-
 def _serve(hidden, weight, bias, targets, temperature, softcap, logit_scale, outputs):
     """TRL's 5-tuple from cce_compile's op: float32 log-probs (differentiable), float32 entropy
     and bool is_top1 (no gradient), None for the fields not asked for."""
@@ -243,23 +181,24 @@ def _serve(hidden, weight, bias, targets, temperature, softcap, logit_scale, out
         # hidden beside a bf16 head): so does the op, with gradients in the head's own dtype.
         weight = weight.to(hidden.dtype)
         bias = None if bias is None else bias.to(hidden.dtype)
-    nll = linear_cross_entropy(
-        hidden, weight, targets, bias, reduction="none", logit_scale=scale, softcap=cap
+    want_entropy, want_top1 = "entropy" in outputs, "is_top1" in outputs
+    # The op's entropy and argmax come from the loss's own pass, without gradient: SFTTrainer
+    # detaches its entropy; an RL policy's entropy is handed to TRL (_reason_to_hand_over).
+    result = linear_cross_entropy(
+        hidden,
+        weight,
+        targets,
+        bias,
+        reduction="none",
+        logit_scale=scale,
+        softcap=cap,
+        return_entropy=want_entropy,
+        return_argmax=want_top1,
     )
-    entropy = is_top1 = None
-    if "entropy" in outputs or "is_top1" in outputs:
-        row_entropy, argmax = entropy_and_argmax(
-            hidden.detach(),
-            weight.detach(),
-            targets,
-            None if bias is None else bias.detach(),
-            scale,
-            cap,
-            -100,
-            autocast_dtype(hidden.device) or hidden.dtype,
-        )
-        entropy = row_entropy if "entropy" in outputs else None
-        is_top1 = argmax == targets if "is_top1" in outputs else None
+    # (a bare tensor when neither metric is asked for: a reference model's log-probs)
+    nll, *metrics = result if isinstance(result, tuple) else (result,)
+    entropy = metrics.pop(0) if want_entropy else None
+    is_top1 = metrics.pop(0) == targets if want_top1 else None
     return -nll, entropy, None, None, is_top1
 
 
@@ -269,7 +208,8 @@ def _tally(key: str, reason: str = "") -> bool:
 
     Under torch.compile Dynamo runs this once per trace instead of putting it in the graph (a
     counter in the graph would be a guard on its value: a recompile per step), so compiled
-    code is counted per compilation, not per call.
+    code is counted per trace (one or a few per compilation: Dynamo may restart a trace), not
+    per call.
     """
     _counts[key] += 1
     if reason:
@@ -405,7 +345,8 @@ def installed() -> bool:
 
 def counts() -> dict:
     """Calls served by the op and calls handed to TRL's function (with why), since import or
-    ``reset_counts()``. Compiled code counts once per compilation, not per call."""
+    ``reset_counts()``. Compiled code counts once per trace (one or a few per compilation), not
+    per call."""
     return {**_counts, "reasons": dict(_reasons)}
 
 
