@@ -62,7 +62,9 @@ def model(vocab_size: int):
     return LlamaForCausalLM(config)
 
 
-def train(*, packing: bool, torch_compile: bool = False, steps: int = 3) -> list[dict]:
+def train(
+    *, packing: bool, torch_compile: bool = False, compile_backend: str = "inductor", steps: int = 3
+) -> list[dict]:
     """SFTTrainer, float32 (``bf16=False``: SFTConfig's default is bf16 autocast), completion
     loss only; per logged step the values in LOGGED."""
     from trl import SFTConfig, SFTTrainer
@@ -88,6 +90,7 @@ def train(*, packing: bool, torch_compile: bool = False, steps: int = 3) -> list
             packing=packing,
             max_length=64,
             torch_compile=torch_compile,
+            torch_compile_backend=compile_backend if torch_compile else None,
         )
         trainer = SFTTrainer(
             model=model(len(tok)), args=args, train_dataset=dataset(), processing_class=tok

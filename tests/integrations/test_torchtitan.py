@@ -3,8 +3,9 @@
 
 In-process: the hook is registered on import; the fused model returns its hidden states and
 the fused loss equals torchtitan's own loss on the logits (value and every gradient); what the
-hook cannot serve is refused with a message. torchtitan's own trainer, 2 gloo ranks (FSDP2, and
-TP on 0.2): the fused run logs the unfused run's losses (``slow``; about 20 s a layout).
+hook cannot serve is refused with a message. torchtitan's own trainer, 2 gloo ranks: the fused
+run logs the unfused run's losses (``slow``; one layout in the suite, titan_job.SUITE_LAYOUT,
+25-45 s; the others in titan_job.LAYOUTS are checked by hand).
 """
 
 from __future__ import annotations
@@ -199,7 +200,10 @@ def titan_workdir(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", titan_job.LAYOUTS)
+@pytest.mark.skipif(
+    titan_job.RELEASE not in ("0.2", "0.3"), reason="torchtitan 0.2.x or 0.3.x's trainer"
+)
+@pytest.mark.parametrize("layout", [titan_job.SUITE_LAYOUT])
 def test_torchtitan_trainer_fused_loss_curve_equals_unfused(titan_workdir, layout):
     unfused, unfused_log = titan_job.train(titan_workdir, layout, fused=False)
     fused, fused_log = titan_job.train(titan_workdir, layout, fused=True)

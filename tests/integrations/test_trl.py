@@ -17,7 +17,13 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("trl")
+trl = pytest.importorskip("trl")
+if not trl.__version__.startswith("1.16."):
+    pytest.skip(
+        f"cce_compile.integrations.trl is written for TRL 1.16.x, trl {trl.__version__} "
+        "is installed (install() refuses it)",
+        allow_module_level=True,
+    )
 import sft_tiny  # noqa: E402
 import trl.kernels.chunked_logprob as trl_kernel  # noqa: E402
 import trl.trainer.utils as trl_utils  # noqa: E402
@@ -265,23 +271,31 @@ def test_sft_trainer_logs_trls_values_with_our_op(trl_runs, op_forwards, packing
 
 @pytest.mark.slow
 def test_sft_trainer_torch_compile_logs_trls_values_with_our_op(trl_runs, op_forwards):
-    """Packed batches change length every step: one recompile (to dynamic shapes), then none."""
+    """Packed batches change length every step: compiled with dynamic shapes from the first
+    step (Dynamo's default compiles twice, static then dynamic), the op adds no guard on the
+    row count, so one graph serves every step, with no graph break. aot_eager: Dynamo and
+    AOTAutograd trace the op through its fake kernel as Inductor's compile would, in a quarter
+    of the time: Inductor's code generation for this Llama costs ~35-45 s cold on 2 shared CPU
+    cores (compile_backend="inductor" passes too, checked by hand). Against TRL's eager run
+    (shared with the test above)."""
     from torch._dynamo.utils import counters
 
+    trls = trl_runs(packing=True)
     torch._dynamo.reset()
     try:
-        trls = trl_runs(packing=True, torch_compile=True)
-        torch._dynamo.reset()
         counters.clear()
         cce_trl.install()
         op_forwards.clear()
-        ours = sft_tiny.train(packing=True, torch_compile=True)
+        with torch._dynamo.config.patch(assume_static_by_default=False):
+            ours = sft_tiny.train(packing=True, torch_compile=True, compile_backend="aot_eager")
         frames, breaks = dict(counters["frames"]), dict(counters["graph_break"])
+        graphs = counters["stats"]["unique_graphs"]
     finally:
         torch._dynamo.reset()
     counts = cce_trl.counts()
-    # counts() tallies compiled code per compilation: the static and the dynamic one
-    assert counts["served"] == 2 and counts["handed_to_trl"] == 0, counts
+    # counts() tallies compiled code per trace (Dynamo may trace a frame more than once)
+    assert counts["served"] >= 1 and counts["handed_to_trl"] == 0, counts
     assert len(op_forwards) == STEPS  # the compiled code ran the op at every step
-    assert breaks == {} and frames["total"] == frames["ok"], (frames, breaks)
+    assert graphs == 1 and breaks == {}, (graphs, breaks)
+    assert frames["total"] == frames["ok"] == 1, frames
     _assert_same_logs(ours, trls)
