@@ -1,0 +1,181 @@
+"""torchtitan runs for the tests (0.2.2, or 0.3.0 where installed): the files a run reads
+(written, nothing downloaded) and a runner that starts ``titan_cpu_train.py`` under torchrun and
+parses the logged steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import re
+import subprocess
+import sys
+
+import torchtitan
+
+RELEASE = ".".join(torchtitan.__version__.split(".")[:2])
+LAUNCHER = pathlib.Path(__file__).with_name("titan_cpu_train.py")
+FUSED_LOG_LINE = "cce_compile: torchtitan loss fused"
+# 0.2.2: a TOML job config, the TrainSpec hook; flags with underscores.
+FLAGS_02 = {
+    "base": ("--job.config_file", "job.toml"),
+    "fused": (
+        "--experimental.custom_import", "cce_compile.integrations.torchtitan",
+        "--model.name", "llama3_cce",
+    ),
+    "fsdp2": ("--parallelism.data_parallel_shard_degree", "2"),
+    "tp2": (
+        "--parallelism.tensor_parallel_degree", "2",
+        "--parallelism.data_parallel_shard_degree", "1",
+    ),
+}  # fmt: skip
+# 0.3.0: a registered config function, overrides; flags with dashes. Its debug model (dim 256,
+# 6 layers, V 2048) at a short sequence, float32 parameters, FlexAttention evaluated densely.
+FLAGS_03 = {
+    "base": (
+        "--module", "llama3", "--config", "llama3_debugmodel",
+        "--training.steps", "3", "--training.local-batch-size", "2", "--training.seq-len", "64",
+        "--training.mixed-precision-param", "float32", "--validator.no-enable",
+        "--checkpoint.no-enable", "--debug.seed", "0", "--metrics.disable-color-printing",
+    ),
+    "attention": ("titan_cpu_attention.cpu_flex_attention",),
+    "fused": ("cce_compile.integrations.torchtitan.cce_loss",),
+    # (0.3.0's default spmd_types backend wants every parameter a DTensor on the full mesh:
+    # its CPU FSDP2 run fails, unfused too)
+    "fsdp2": (
+        "--parallelism.data-parallel-shard-degree", "2",
+        "--parallelism.spmd-backend", "partial_dtensor",
+    ),
+    # the [norm, lm_head] unit resharded after the norm's forward: the loss must go through the
+    # head for FSDP2 to gather it again
+    "fsdp2-reshard-always": (
+        "--parallelism.data-parallel-shard-degree", "2",
+        "--parallelism.spmd-backend", "partial_dtensor",
+        "--parallelism.fsdp-reshard-after-forward", "always",
+    ),
+}  # fmt: skip
+# (0.3's hook refuses TP; 0.2's refuses reshard-after-forward 'always')
+LAYOUTS = ("fsdp2", "tp2") if RELEASE == "0.2" else ("fsdp2", "fsdp2-reshard-always")
+# What the test suite runs: one layout per release (each costs 25-45 s on 2 CPU cores: two
+# torchrun jobs). FSDP2 on 0.2; on 0.3 FSDP2 with the head resharded after the norm's forward,
+# which only passes if the fused loss calls the head. The other LAYOUTS passed when checked by
+# hand (train(workdir, layout, fused=...) after write_assets(workdir)).
+SUITE_LAYOUT = "fsdp2" if RELEASE == "0.2" else "fsdp2-reshard-always"
+STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.eE+na]+)\s+grad_norm:\s*([-\d.eE+na]+)")
+TIMEOUT_S = 300
+
+# torchtitan 0.2.2 job config: the debug model's training settings, float32 parameters (so that
+# fused and unfused differ only by the loss's rounding), no checkpoints, no validation.
+JOB_TOML = """[job]
+dump_folder = "./outputs"
+
+[metrics]
+log_freq = 1
+disable_color_printing = true
+
+[model]
+name = "llama3"
+flavor = "cputest"
+hf_assets_path = "./tests/assets/tokenizer"
+
+[optimizer]
+name = "AdamW"
+lr = 8e-4
+eps = 1e-8
+
+[lr_scheduler]
+warmup_steps = 1
+
+[training]
+local_batch_size = 2
+seq_len = 64
+max_norm = 1.0
+steps = 3
+dataset = "c4_test"
+dataset_path = "./tests/assets/c4_test"
+mixed_precision_param = "float32"
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+tensor_parallel_degree = 1
+
+[checkpoint]
+enable = false
+
+[compile]
+enable = false
+
+[validation]
+enable = false
+
+[debug]
+seed = 0
+"""
+WORDS = (
+    "the of and to in a is that for it as was with be by on not he this are or his from at "
+    "which but have an they you were her she there been one all we their has would when if"
+).split()
+SPECIALS = ["<unk>", "<|begin_of_text|>", "<|end_of_text|>"]
+
+
+def write_assets(workdir: pathlib.Path, documents: int = 200) -> None:
+    """job.toml (0.2.2), a word-level tokenizer with Llama 3's special-token names and a
+    JSON-lines c4_test-style dataset, under ``workdir`` where both releases look for them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    rng = random.Random(0)
+    (workdir / "job.toml").write_text(JOB_TOML)
+    data, tokenizer_dir = workdir / "tests/assets/c4_test", workdir / "tests/assets/tokenizer"
+    data.mkdir(parents=True, exist_ok=True)
+    with (data / "data.json").open("w") as f:
+        for _ in range(documents):
+            words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 120)))
+            f.write(json.dumps({"text": words}) + "\n")
+    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(tokenizer_dir / "tokenizer.json"))
+    (tokenizer_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|begin_of_text|>",
+                "eos_token": "<|end_of_text|>",
+                "unk_token": "<unk>",
+                "model_max_length": 4096,
+            }
+        )
+    )
+
+
+def trainer_flags(layout: str, *, fused: bool) -> list[str]:
+    if RELEASE == "0.2":
+        return [*FLAGS_02["base"], *FLAGS_02[layout], *(FLAGS_02["fused"] if fused else ())]
+    overrides = [*FLAGS_03["attention"], *(FLAGS_03["fused"] if fused else ())]
+    return [*FLAGS_03["base"], *FLAGS_03[layout], "--override.imports", *overrides]
+
+
+def train(workdir: pathlib.Path, layout: str, *, fused: bool) -> tuple[list[tuple], str]:
+    """One torchtitan run: ([(loss, grad_norm) per step], its log). Raises with the log's tail
+    when the run fails."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(LAUNCHER),
+        *trainer_flags(layout, fused=fused),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        command, cwd=workdir, capture_output=True, text=True, env=env, timeout=TIMEOUT_S
+    )
+    log = done.stdout + done.stderr
+    if done.returncode != 0:
+        raise AssertionError(f"torchtitan run failed ({' '.join(command)}):\n{log[-6000:]}")
+    steps = {int(m.group(1)): (float(m.group(2)), float(m.group(3))) for m in STEP.finditer(log)}
+    return [steps[k] for k in sorted(steps)], log
