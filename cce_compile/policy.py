@@ -18,7 +18,8 @@ gradients it returns):
   gradient (n x D x 4), ``n`` at most ``FAST_CHUNK_ROWS`` and as large as the budget allows.
 * auto: fast when it is valid (scalar loss, gradients wanted, no gradient of the returned lse)
   and a chunk of at least ``MIN_FAST_ROWS`` rows (``MIN_FROZEN_FAST_ROWS`` without a
-  classifier gradient), or all rows, fits; else lean.
+  classifier gradient), or all rows, fits; else lean. A fast run keeps at least that floor
+  (``fast_run_rows``), and 4096-row chunks only where its fixed bytes exceed the budget.
 * CPU path: chunks of rows of float32 temporaries (3 x V x 4 bytes per row) within the budget.
 
 Why ``MIN_FAST_ROWS``: each fast chunk re-reads and re-writes the float32 classifier-gradient
