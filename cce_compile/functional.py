@@ -319,13 +319,7 @@ def linear_cross_entropy(
     _validate_options(
         hidden, ignore_index, reduction, label_smoothing, softcap, logit_scale, shift, z_loss, mode
     )
-    if grad_filter is not None:
-        if isinstance(grad_filter, bool) or not isinstance(grad_filter, (int, float)):
-            raise TypeError(f"grad_filter must be a float or None, got {type(grad_filter)}")
-        filtering.check_beta(float(grad_filter))
-        if mode == "fast":
-            raise ValueError("grad_filter filters the lean backward: mode='fast' cannot use it")
-        filtering.check_options(label_smoothing, softcap)
+    _validate_grad_filter(grad_filter, mode, label_smoothing, softcap)
     # Under autocast F.linear rounds its inputs to the autocast dtype: the op does the same
     # inside, and returns gradients in the inputs' own dtypes (float32 weights keep float32
     # gradients, with no rounded copy of the classifier).
@@ -362,26 +356,13 @@ def linear_cross_entropy(
     )
     if route is not None:
         _say_once(route)
-        spec = LossSpec(**options)
-        if not (_transform_route(targets2) or torch.compiler.is_compiling()):
-            # (batched targets under vmap, and targets in a compiled graph, cannot branch on
-            # their values: out-of-range targets then fail in the gather or give NaN rows)
-            call_plan.check_targets(targets2, class_weights, spec, classifier.shape[0])
         entropy = argmax = None  # (refused above on this route)
-        loss, lse = torch_path.differentiable_loss(
-            hidden3,
-            classifier,
-            targets2,
-            bias,
-            class_weights,
-            spec,
-            lse_all_rows=return_lse,
-            budget_bytes=call_plan.budget_bytes(
-                call_plan.problem_of(hidden3, classifier, shift, compute_dtype)
-            ),
-            compute_dtype=compute_dtype,
-            logit_scale=torch.as_tensor(logit_scale, device=hidden.device),
-            softcap=None if softcap is None else torch.as_tensor(softcap, device=hidden.device),
+        loss, lse = _autograd_route_loss(
+            (hidden3, classifier, targets2, bias, class_weights),
+            compute_dtype,
+            options,
+            return_lse=return_lse,
+            scalars=(logit_scale, softcap),
         )
     else:
         loss, lse, entropy, argmax = _call_op(
@@ -401,6 +382,44 @@ def linear_cross_entropy(
         if wanted
     ]
     return (loss, *extras) if extras else loss
+
+
+def _validate_grad_filter(grad_filter, mode, label_smoothing, softcap) -> None:
+    """grad_filter's type, range, and the mode and options it can filter."""
+    if grad_filter is None:
+        return
+    if isinstance(grad_filter, bool) or not isinstance(grad_filter, (int, float)):
+        raise TypeError(f"grad_filter must be a float or None, got {type(grad_filter)}")
+    filtering.check_beta(float(grad_filter))
+    if mode == "fast":
+        raise ValueError("grad_filter filters the lean backward: mode='fast' cannot use it")
+    filtering.check_options(label_smoothing, softcap)
+
+
+def _autograd_route_loss(tensors, compute_dtype, options, *, return_lse, scalars):
+    """(loss, lse) by PyTorch's autograd over chunked float32 logits: forward-mode AD,
+    functorch transforms, a differentiable logit_scale or softcap (``scalars``)."""
+    hidden, classifier, targets, bias, class_weights = tensors
+    logit_scale, softcap = scalars
+    spec = LossSpec(**options)
+    if not (_transform_route(targets) or torch.compiler.is_compiling()):
+        # (batched targets under vmap, and targets in a compiled graph, cannot branch on
+        # their values: out-of-range targets then fail in the gather or give NaN rows)
+        call_plan.check_targets(targets, class_weights, spec, classifier.shape[0])
+    problem = call_plan.problem_of(hidden, classifier, spec.shift, compute_dtype)
+    return torch_path.differentiable_loss(
+        hidden,
+        classifier,
+        targets,
+        bias,
+        class_weights,
+        spec,
+        lse_all_rows=return_lse,
+        budget_bytes=call_plan.budget_bytes(problem),
+        compute_dtype=compute_dtype,
+        logit_scale=torch.as_tensor(logit_scale, device=hidden.device),
+        softcap=None if softcap is None else torch.as_tensor(softcap, device=hidden.device),
+    )
 
 
 def _call_op(tensors, compute_dtype, options, *, mode, return_lse, grad_filter, metrics):

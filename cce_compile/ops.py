@@ -81,9 +81,32 @@ def requested_gradients(ctx, forward) -> dict[str, bool]:
     )
 
 
-def differentiate(ctx, signatures, backward_op, grad_loss, grad_lse, **saved) -> tuple:
-    """The autograd formula shared by both ops: their backward op on the saved tensors,
-    its gradients returned where requested; signatures: the (forward, backward) pair."""
+def save_context(ctx, args, *, lse: Tensor, row_index: Tensor, **extra: Tensor | None) -> None:
+    """What both ops' setup_context record alike: the inputs, lse and row_index saved by the
+    backward op's argument names (``extra``: an op's own), and the flags their backward reads."""
+    # Unused outputs get None, not zeros: the backward then knows statically that lse carries
+    # no gradient, and skips work for it.
+    ctx.set_materialize_grads(False)
+    ctx.has_bias = args.bias is not None
+    ctx.skip_ignored = args.skip_ignored
+    names = ("hidden", "classifier", "targets", "bias", "class_weights")
+    tensors = dict(args.pick(names), lse=lse, row_index=row_index, **extra)
+    ctx.saved_names = tuple(tensors)
+    ctx.save_for_backward(*tensors.values())
+
+
+def saved_by_name(ctx) -> dict[str, Tensor | None]:
+    """The tensors ``save_context`` saved, by name; no row_index where no rows were skipped."""
+    saved = dict(zip(ctx.saved_names, ctx.saved_tensors))
+    if not ctx.skip_ignored:
+        saved["row_index"] = None
+    return saved
+
+
+def differentiate(ctx, signatures, backward_op, grad_loss, grad_lse, saved: dict) -> tuple:
+    """The autograd formula shared by both ops: their backward op on the ``saved`` tensors
+    (by argument name), its gradients returned where requested; signatures: the (forward,
+    backward) pair."""
     forward, backward = signatures
     requested = requested_gradients(ctx, forward)
     if grad_loss is None and grad_lse is None:
@@ -202,20 +225,15 @@ def _forward_fake(*values):
     )
 
 
-def define(
-    name: str,
-    *,
-    forward,
-    forward_fake,
-    forward_signature,
-    forward_returns: str,
-    gradients,
-    backward_signature,
-) -> tuple:
-    """Register an op ``cce::<name>`` and its backward op ``cce::<name>_backward`` (whose
-    kernel computes ``gradients(bound arguments)``, empty where not asked for); returns both.
-    The caller registers the forward's autograd formula; a backward through the backward op
-    is refused (``refuse_double_backward``)."""
+def define(name: str, signatures: tuple, implementations: tuple) -> tuple:
+    """Register an op ``cce::<name>`` and its backward op ``cce::<name>_backward``; returns
+    both. ``signatures``: (forward signature, forward returns, backward signature);
+    ``implementations``: (forward, forward fake, gradients), the backward op's kernel computing
+    ``gradients(bound arguments)``, empty where not asked for. The caller registers the
+    forward's autograd formula; a backward through the backward op is refused
+    (``refuse_double_backward``)."""
+    forward_signature, forward_returns, backward_signature = signatures
+    forward, forward_fake, gradients = implementations
     op = torch.library.custom_op(
         f"cce::{name}", forward, mutates_args=(), schema=forward_signature.schema(forward_returns)
     )
@@ -238,12 +256,8 @@ def define(
 
 linear_cross_entropy, linear_cross_entropy_backward = define(
     "linear_cross_entropy",
-    forward=_forward,
-    forward_fake=_forward_fake,
-    forward_signature=FORWARD,
-    forward_returns=FORWARD_RETURNS,
-    gradients=execution.backward,
-    backward_signature=BACKWARD,
+    (FORWARD, FORWARD_RETURNS, BACKWARD),
+    (_forward, _forward_fake, execution.backward),
 )
 
 _PASSED_ON = ("compute_dtype", *LOSS_OPTIONS, "lse_all_rows")  # forward -> backward
@@ -255,11 +269,7 @@ def _setup_context(ctx, inputs, output) -> None:
     loss, lse, fast_h, fast_c, fast_b, keep_blocks, row_index, entropy, argmax = output
     # The entropy is a metric: it carries no gradient (TRL's SFT logs it detached).
     ctx.mark_non_differentiable(fast_h, fast_c, fast_b, keep_blocks, row_index, entropy, argmax)
-    ctx.skip_ignored = args.skip_ignored
     ctx.filtered = execution.filters(args)
-    # Unused outputs get None, not zeros: fast mode then knows statically that lse carries no
-    # gradient, and the backward skips work for it.
-    ctx.set_materialize_grads(False)
     ctx.passed_on = args.pick(_PASSED_ON)
     # Which fast-mode buffers the forward filled: static flags, not sizes (no guards).
     fast = args.mode == "fast"
@@ -268,45 +278,29 @@ def _setup_context(ctx, inputs, output) -> None:
         fast and args.grad_classifier,
         fast and args.grad_bias and args.bias is not None,
     )
-    ctx.has_bias = args.bias is not None
-    ctx.save_for_backward(
-        args.hidden,
-        args.classifier,
-        args.targets,
-        args.bias,
-        args.class_weights,
-        lse,
-        fast_h,
-        fast_c,
-        fast_b,
-        keep_blocks,
-        row_index,
+    save_context(
+        ctx,
+        args,
+        lse=lse,
+        row_index=row_index,
+        fast_grad_hidden=fast_h,
+        fast_grad_classifier=fast_c,
+        fast_grad_bias=fast_b,
+        keep_blocks=keep_blocks,
     )
+
+
+_FAST_BUFFERS = ("fast_grad_hidden", "fast_grad_classifier", "fast_grad_bias")
 
 
 def _backward(ctx, grad_loss, grad_lse, *_unused):
-    (hidden, classifier, targets, bias, class_weights, lse, fast_h, fast_c, fast_b, keep, rows) = (
-        ctx.saved_tensors
-    )
-    fast = [b if filled else None for b, filled in zip((fast_h, fast_c, fast_b), ctx.fast_filled)]
-    return differentiate(
-        ctx,
-        (FORWARD, BACKWARD),
-        torch.ops.cce.linear_cross_entropy_backward,
-        grad_loss,
-        grad_lse,
-        hidden=hidden,
-        classifier=classifier,
-        targets=targets,
-        bias=bias,
-        class_weights=class_weights,
-        lse=lse,
-        fast_grad_hidden=fast[0],
-        fast_grad_classifier=fast[1],
-        fast_grad_bias=fast[2],
-        keep_blocks=keep if ctx.filtered else None,
-        row_index=rows if ctx.skip_ignored else None,
-    )
+    saved = saved_by_name(ctx)
+    for name, filled in zip(_FAST_BUFFERS, ctx.fast_filled):
+        saved[name] = saved[name] if filled else None
+    if not ctx.filtered:
+        saved["keep_blocks"] = None
+    backward_op = torch.ops.cce.linear_cross_entropy_backward
+    return differentiate(ctx, (FORWARD, BACKWARD), backward_op, grad_loss, grad_lse, saved)
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)

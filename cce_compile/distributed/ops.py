@@ -23,6 +23,8 @@ from ..ops import (
     row_index_fake,
     row_index_output,
     row_shape,
+    save_context,
+    saved_by_name,
 )
 from . import vocab_parallel
 from .signature import BACKWARD, FORWARD, FORWARD_RETURNS
@@ -59,12 +61,8 @@ def _forward_fake(*values) -> tuple[Tensor, Tensor, Tensor]:
 
 vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backward = define(
     "vocab_parallel_cross_entropy",
-    forward=_forward,
-    forward_fake=_forward_fake,
-    forward_signature=FORWARD,
-    forward_returns=FORWARD_RETURNS,
-    gradients=vocab_parallel.backward,
-    backward_signature=BACKWARD,
+    (FORWARD, FORWARD_RETURNS, BACKWARD),
+    (_forward, _forward_fake, vocab_parallel.backward),
 )
 
 # Forward -> backward, unchanged.
@@ -90,34 +88,16 @@ def _setup_context(ctx, inputs, output) -> None:
     check_version(args.implementation_version)
     _, lse, row_index = output
     ctx.mark_non_differentiable(row_index)
-    # Unused outputs get None, not zeros: the backward skips the lse's part.
-    ctx.set_materialize_grads(False)
     ctx.passed_on = args.pick(_PASSED_ON)
-    ctx.has_bias = args.bias is not None
-    ctx.skip_ignored = args.skip_ignored
-    ctx.save_for_backward(
-        args.hidden, args.classifier, args.targets, args.bias, args.class_weights, lse, row_index
-    )
+    save_context(ctx, args, lse=lse, row_index=row_index)
 
 
 def _backward(ctx, grad_loss, grad_lse, _grad_row_index):
-    hidden, classifier, targets, bias, class_weights, lse, rows = ctx.saved_tensors
     # Every rank runs this backward (SPMD), so the hidden gradient's all-reduce inside is
     # issued by all of them or, where hidden needs no gradient, by none.
-    return differentiate(
-        ctx,
-        (FORWARD, BACKWARD),
-        torch.ops.cce.vocab_parallel_cross_entropy_backward,
-        grad_loss,
-        grad_lse,
-        hidden=hidden,
-        classifier=classifier,
-        targets=targets,
-        bias=bias,
-        class_weights=class_weights,
-        lse=lse,
-        row_index=rows if ctx.skip_ignored else None,
-    )
+    backward_op = torch.ops.cce.vocab_parallel_cross_entropy_backward
+    signatures = (FORWARD, BACKWARD)
+    return differentiate(ctx, signatures, backward_op, grad_loss, grad_lse, saved_by_name(ctx))
 
 
 vocab_parallel_cross_entropy.register_autograd(_backward, setup_context=_setup_context)

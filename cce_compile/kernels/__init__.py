@@ -6,6 +6,8 @@
   (lean backward; the two GEMMs that consume the slab run on cuBLAS).
 * ``chunk_softmax_grad``: turns a chunk of materialised logits into its gradient in place, with
   per-row statistics (fast mode).
+* ``scale_cast``: (x * scale).to(dtype) in one pass: fast mode's backward scaling its float32
+  unit-upstream gradients by the upstream gradient.
 
 Kernels import nothing from cce_compile but ``common``.
 """

@@ -14,7 +14,7 @@ Reports, per head and method: forward+backward and backward time (CUDA events, m
 kept block / tile fractions (``filtering.report()``), and gradient errors against a float32
 reference next to eager bf16's. Writes ``filtering.json`` and ``filtering.md`` into ``--out``.
 
-    python bench/filtering.py --out bench/results/filtering
+    python bench/grad_filter_bench.py --out bench/results/filtering
 """
 
 from __future__ import annotations
