@@ -216,7 +216,7 @@ def _tally(key: str, reason: str = "") -> bool:
         _reasons[reason] = _reasons.get(reason, 0) + 1
         if reason not in _logged:
             _logged.add(reason)
-            log.info("cce_compile.integrations.trl: %s: handed to TRL's function", reason)
+            log.warning("cce_compile.integrations.trl: %s: handed to TRL's function", reason)
     return True
 
 

@@ -6,6 +6,7 @@ while compiling (:class:`Report`, what ``explain()`` and ``watch()`` return).
 from __future__ import annotations
 
 import dataclasses
+import re
 import sysconfig
 
 from . import predicates as p
@@ -35,10 +36,21 @@ _FIX = {
     MUTATION: "move the in-place operation before the head or after the loss, or make it "
     "out of place",
     UNSUPPORTED_OP: "the pass fuses lm_head -> casts, views, row slices, a constant scale or "
-    "softcap -> cross_entropy (docs/graph_forms.md); move other ops after the loss. A LoRA "
-    "adapter on lm_head adds a low-rank branch to the logits: leave lm_head out of PEFT's "
-    "target_modules (or train it whole with modules_to_save), docs/stacks.md",
+    "softcap -> cross_entropy (docs/graph_forms.md); write the loss in that form, or move "
+    "other ops after it",
 }
+# Added to UNSUPPORTED_OP's fix where the op in the chain is an addition to the logits: what a
+# LoRA adapter on lm_head makes (``_adds_to_the_logits``).
+_LORA_ON_HEAD_FIX = (
+    "if the addition is a LoRA adapter on lm_head (its low-rank branch), leave lm_head out of "
+    "PEFT's target_modules (or train it whole with modules_to_save), docs/stacks.md"
+)
+_ADDITION = re.compile(r":\s*(aten\.add\b|<built-in function (iadd|add)>|(torch\.)?add\b)")
+
+
+def _adds_to_the_logits(detail: str) -> bool:
+    """Does an unsupported-op rejection's detail name an addition (``node: target``)?"""
+    return bool(_ADDITION.search(detail))
 
 
 @dataclasses.dataclass
@@ -59,7 +71,12 @@ class SiteReport:
 
     @property
     def advice(self) -> str:
-        return self.fix or _FIX.get(self.reason, "")
+        if self.fix:
+            return self.fix
+        usual = _FIX.get(self.reason, "")
+        if self.reason == UNSUPPORTED_OP and _adds_to_the_logits(self.detail):
+            return f"{usual}; {_LORA_ON_HEAD_FIX}"
+        return usual
 
     def __str__(self) -> str:
         head = f"{'REWRITTEN' if self.rewritten else 'skipped'}  {self.loss}  at {self.location}"

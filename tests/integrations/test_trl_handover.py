@@ -1,12 +1,8 @@
-"""Review s11: a call the TRL integration hands to TRL's own kernel is invisible by default.
-
-A user who calls ``cce_trl.install()`` and then trains with a trainer whose requests the op does
-not serve (DPO/KTO ask for ``log_sum_sq_probs`` / ``mean_logits``; GRPO/RLOO for
-``("log_probs", "entropy")``) gets TRL's kernel on every call, and nothing is printed: the reason
-is logged with ``log.info`` on the ``cce_compile`` logger, which has no handler, so Python shows
-only WARNING and above. docs/trl.md says the reason is "logged once"; the graph pass says the
-same kind of thing ("left the cross-entropy ... alone") at WARNING. Only ``counts()`` reveals it.
-"""
+"""The TRL integration tells the user, once, at the default log level (WARNING), when it hands a
+call to TRL's own kernel: a trainer whose requests the op does not serve (DPO/KTO ask for
+``log_sum_sq_probs`` / ``mean_logits``; GRPO/RLOO for ``("log_probs", "entropy")``) would
+otherwise get TRL's kernel on every call with nothing said (found by the session-11 review: it
+was logged at INFO)."""
 
 from __future__ import annotations
 
@@ -33,10 +29,6 @@ def installed():
     cce_trl.uninstall()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hand-over to TRL's kernel is logged at INFO only: silent under default logging",
-)
 @pytest.mark.parametrize(
     "outputs",
     [("log_sum_sq_probs",), ("entropy",)],

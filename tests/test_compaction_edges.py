@@ -1,4 +1,4 @@
-"""Review s11: edge cases of skipping ignored targets and of the metrics outputs that held up
+"""Edge cases of skipping ignored targets and of the metrics outputs that held up
 (regression tests; each against float64 F.cross_entropy on F.linear logits)."""
 
 from __future__ import annotations
