@@ -96,11 +96,15 @@ def fast_chunk_rows(problem: Problem, needs_classifier: bool, budget: int) -> in
     return max(0, min(FAST_CHUNK_ROWS, problem.rows, left // per_row))
 
 
+def fast_floor_rows(needs_classifier: bool) -> int:
+    """The fewest rows per chunk for which auto prefers fast (module docstring)."""
+    return MIN_FAST_ROWS if needs_classifier else MIN_FROZEN_FAST_ROWS
+
+
 def fast_fits(problem: Problem, needs_classifier: bool, budget: int) -> bool:
     """Does a fast-mode chunk that auto would accept fit the budget (module docstring)?"""
     chunk = fast_chunk_rows(problem, needs_classifier, budget)
-    floor = MIN_FAST_ROWS if needs_classifier else MIN_FROZEN_FAST_ROWS
-    return chunk > 0 and chunk >= min(floor, problem.rows)
+    return chunk > 0 and chunk >= min(fast_floor_rows(needs_classifier), problem.rows)
 
 
 def fast_run_rows(problem: Problem, needs_classifier: bool, budget: int) -> int:
@@ -111,10 +115,11 @@ def fast_run_rows(problem: Problem, needs_classifier: bool, budget: int) -> int:
     budget (compaction's copy of the kept rows): a chunk a few rows under the floor must stay
     a budget-sized chunk, not jump to FAST_CHUNK_ROWS' gigabytes."""
     chunk = fast_chunk_rows(problem, needs_classifier, budget)
-    floor = MIN_FAST_ROWS if needs_classifier else MIN_FROZEN_FAST_ROWS
     if chunk > 0:
-        return min(max(chunk, floor), FAST_CHUNK_ROWS, max(problem.rows, 1))
-    return min(FAST_CHUNK_ROWS, max(problem.rows, 1))
+        chunk = max(chunk, fast_floor_rows(needs_classifier))
+    else:
+        chunk = FAST_CHUNK_ROWS
+    return min(chunk, FAST_CHUNK_ROWS, max(problem.rows, 1))
 
 
 def lean_slab_columns(problem: Problem, needs_hidden: bool, budget: int) -> int:
