@@ -154,6 +154,13 @@ def method_factories():
             lambda h, c, t: cce_compile.linear_cross_entropy(h, c, t, mode=mode)
         )
 
+    def auto_every_row(h, c, t):
+        """The default with CCE_SKIP_IGNORED=0: ignored rows computed, no host sync."""
+        with cce_compile.config.override(skip_ignored=False):
+            return cce_compile.linear_cross_entropy(h, c, t)
+
+    methods["cce_auto_every_row"] = lambda: auto_every_row
+
     def auto_with_fast_budget(h, c, t, chunk_rows):
         """auto under the smallest budget that admits fast mode with ``chunk_rows``-row chunks (its
         float32 V x D buffer, the chunk, the rounded hidden): the memory/speed point between
