@@ -23,7 +23,9 @@ No compaction, and no synchronisation:
 * ``skip_ignored`` off (``CCE_SKIP_IGNORED=0``; the graph pass also turns it off for graphs that
   Inductor runs as CUDA graphs);
 * during CUDA-graph capture, where a synchronisation is an error;
-* ``lse_all_rows``: the returned lse must then be computed at ignored rows too.
+* ``lse_all_rows``: the returned lse must then be computed at ignored rows too;
+* a GPU problem too small for the synchronisation to pay (``policy.skipping_pays``: the
+  whole vocabulary's size, so every rank of the vocabulary-parallel op decides alike).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import dataclasses
 
 import torch
 
+from . import policy
 from .op_signature import Bound
 
 
@@ -62,9 +65,15 @@ def select(args: Bound) -> Selection | None:
     if not args.skip_ignored:
         return None
     valid = args.targets[:, args.shift :].reshape(-1) != args.ignore_index
-    if args.lse_all_rows or _capturing(valid.device):
+    if args.lse_all_rows or _capturing(valid.device) or not _pays(args, valid.numel()):
         return Selection(torch.arange(valid.numel(), device=valid.device), valid.numel())
     return Selection(valid.nonzero().squeeze(1), valid.numel())
+
+
+def _pays(args: Bound, rows: int) -> bool:
+    """``policy.skipping_pays`` for this call, on the whole vocabulary."""
+    vocab = args.vocab_size if args.has("vocab_size") else args.classifier.shape[0]
+    return policy.skipping_pays(args.hidden.device.type, rows, vocab, args.hidden.shape[-1])
 
 
 def of_backward(args: Bound) -> Selection | None:

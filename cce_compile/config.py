@@ -62,7 +62,8 @@ class Settings:
     filtering.py states the bound); unset: exact gradients."""
     skip_ignored: bool = _rewrite("CCE_SKIP_IGNORED", True)
     """CCE_SKIP_IGNORED: compact away the rows whose target is ignore_index before any GEMM
-    (one host sync per forward to learn their count; never during CUDA-graph capture)."""
+    (one host sync per forward to learn their count; never during CUDA-graph capture, nor on a
+    GPU problem too small for it to pay: policy.MIN_SKIP_MACS)."""
     check_targets: bool = _setting("CCE_CHECK_TARGETS", False)
     """CCE_CHECK_TARGETS: on GPU, raise on targets outside [0, V) (costs a host sync)."""
     disable: bool = _rewrite("CCE_DISABLE", False)

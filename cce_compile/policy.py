@@ -54,6 +54,13 @@ MIN_SLAB_COLUMNS = 2048
 # Triton kernel and two cuBLAS calls). Below it the backward waits on the host: shape C
 # (4096 x 2048 x 32000) took 16 slabs of 2048 classes at 2x its GPU time.
 MIN_SLAB_MACS = 2**35
+# The least work (N x V x D multiply-adds of one GEMM) for which skipping ignored rows pays on a
+# GPU: learning which rows count is a host synchronisation, after which the GPU waits on each of
+# the host's launches for the rest of the call. Below it the loss is host-bound and the sync
+# costs more than the skipped rows save: shape C (4096 x 2048 x 32000, 2^38) ran 9% slower with
+# 10% of its rows skipped and 10% slower with 50%; E (2^42) 6% and 47% faster (H200, session 11,
+# bench/results/run_session11/skip_ignored_cost.md). On a CPU the sync costs nothing.
+MIN_SKIP_MACS = 2**39
 # The smallest budget: tiny problems (tests, the CPU demo's first steps) still get chunks of
 # useful size.
 MIN_BUDGET = 1 << 20
@@ -94,6 +101,11 @@ def fast_chunk_rows(problem: Problem, needs_classifier: bool, budget: int) -> in
     left = budget - fast_fixed_bytes(problem, needs_classifier)
     per_row = (problem.vocab + problem.dim) * 4
     return max(0, min(FAST_CHUNK_ROWS, problem.rows, left // per_row))
+
+
+def skipping_pays(device_type: str, rows: int, vocab: int, dim: int) -> bool:
+    """Is skipping a call's ignored rows worth its host synchronisation (MIN_SKIP_MACS)?"""
+    return device_type != "cuda" or rows * vocab * dim >= MIN_SKIP_MACS
 
 
 def fast_floor_rows(needs_classifier: bool) -> int:

@@ -39,3 +39,13 @@ def fuzz_examples(request):
         return request.config.getoption("--fuzz-examples") or default
 
     return pick
+
+
+@pytest.fixture
+def skip_at_any_size(monkeypatch):
+    """Skipping ignored rows at the tests' small sizes on a GPU too (policy.MIN_SKIP_MACS
+    turns it off below ~2^39 multiply-adds there, where its host sync costs more than it
+    saves), so that GPU runs of the compaction tests exercise it."""
+    from cce_compile import policy
+
+    monkeypatch.setattr(policy, "MIN_SKIP_MACS", 0)

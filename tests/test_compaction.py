@@ -15,6 +15,9 @@ from test_functional import run_and_compare
 import cce_compile
 from cce_compile import config, execution, torch_path
 
+# Compaction at these small sizes on a GPU too (conftest.skip_at_any_size).
+pytestmark = pytest.mark.usefixtures("skip_at_any_size")
+
 OP = torch.ops.cce.linear_cross_entropy.default
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" or DEVICE == "cuda"

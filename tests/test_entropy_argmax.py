@@ -14,6 +14,9 @@ from strategies import build_case
 import cce_compile
 from cce_compile import config, execution, torch_path
 
+# Compaction at these small sizes on a GPU too (conftest.skip_at_any_size).
+pytestmark = pytest.mark.usefixtures("skip_at_any_size")
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON = os.environ.get("TRITON_INTERPRET") == "1" or DEVICE == "cuda"
 

@@ -155,3 +155,12 @@ def test_a_fast_run_a_little_under_the_floor_keeps_floor_sized_chunks(needs_clas
     short_of_floor = fixed + (floor - 100) * ROW
     assert policy.fast_run_rows(E, needs_classifier, short_of_floor) == floor
     assert policy.fast_run_rows(E, needs_classifier, fixed + ROW) == floor
+
+
+def test_skipping_ignored_rows_pays_on_a_gpu_only_for_problems_large_enough():
+    """Its host sync exposes the host's launches: a loss of C's size (2^38 multiply-adds)
+    runs slower with rows skipped on a GPU, E's (2^42) faster; on a CPU it always pays."""
+    assert not policy.skipping_pays("cuda", 4096, 32000, 2048)  # shape C
+    assert policy.skipping_pays("cuda", 8192, 128256, 4096)  # shape E
+    assert policy.skipping_pays("cuda", 16384, 131072, 512)  # shape G, 2^40
+    assert policy.skipping_pays("cpu", 4, 8, 2)
