@@ -161,6 +161,18 @@ def method_factories():
 
     methods["cce_auto_every_row"] = lambda: auto_every_row
 
+    def auto_skip_at_any_size(h, c, t):
+        """The default skipping ignored rows whatever the size (policy.MIN_SKIP_MACS = 0)."""
+        from cce_compile import policy
+
+        floor, policy.MIN_SKIP_MACS = policy.MIN_SKIP_MACS, 0
+        try:
+            return cce_compile.linear_cross_entropy(h, c, t)
+        finally:
+            policy.MIN_SKIP_MACS = floor
+
+    methods["cce_auto_skip_any_size"] = lambda: auto_skip_at_any_size
+
     def auto_with_fast_budget(h, c, t, chunk_rows):
         """auto under the smallest budget that admits fast mode with ``chunk_rows``-row chunks (its
         float32 V x D buffer, the chunk, the rounded hidden): the memory/speed point between

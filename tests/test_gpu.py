@@ -159,6 +159,7 @@ def _synchronisations(fn) -> int:
 
 
 @pytest.mark.parametrize("mode", ["lean", "fast"])
+@pytest.mark.usefixtures("skip_at_any_size")  # (this size is under policy.MIN_SKIP_MACS)
 def test_no_host_synchronisation(mode):
     """Without skipping ignored rows the op never synchronises; with it (the default) the
     forward synchronises once to count the rows, and the backward never."""
