@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import logging
 import os
 from collections.abc import Iterator, Mapping
 
@@ -164,6 +166,30 @@ def from_environ(environ: Mapping[str, str]) -> Settings:
     return Settings(**kwargs)  # type: ignore[arg-type]
 
 
+def mistyped_variables(environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(name, the setting's variable it is close to) for each unknown CCE_* variable that
+    looks like a misspelt setting (CCE_COMPIL, CCE_MDOE). Other CCE_* names, which other
+    tools may use, are not ours to judge."""
+    known = [f.metadata["env"] for f in dataclasses.fields(Settings)]
+    found = []
+    for name in sorted(environ):
+        if name.startswith("CCE_") and name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+            if close:
+                found.append((name, close[0]))
+    return found
+
+
+def _warn_mistyped(environ: Mapping[str, str]) -> None:
+    for name, known in mistyped_variables(environ):
+        logging.getLogger("cce_compile").warning(
+            "cce_compile: %s is not a setting (did you mean %s?); it is ignored. Settings: "
+            "README.md, 'Settings'",
+            name,
+            known,
+        )
+
+
 def auto_enable_requested(environ: Mapping[str, str] = os.environ) -> bool:
     """Does CCE_COMPILE ask for the start-up hook? A value that is not a clear 'off' does, so
     that a mistyped one is reported rather than ignored."""
@@ -178,6 +204,9 @@ def _from_process_environ() -> tuple[Settings, SettingsError | None]:
 
 
 _current, _environ_error = _from_process_environ()
+# Said once per process, at its first import of cce_compile (at every interpreter start where
+# the start-up hook is installed), so that a misspelt variable is not silently ignored.
+_warn_mistyped(os.environ)
 
 
 def get() -> Settings:
@@ -190,6 +219,11 @@ def get() -> Settings:
 def update(**changes: object) -> Settings:
     """Change settings for the rest of the process; returns the previous settings."""
     global _current
+    if "auto_enable" in changes:  # read once, by the start-up hook: changing it does nothing
+        raise SettingsError(
+            "setting 'auto_enable' is CCE_COMPILE, read by the start-up hook when the "
+            "interpreter starts; in code, call cce_compile.enable() (or use backend='cce')"
+        )
     previous = get()
     _current = dataclasses.replace(previous, **changes)  # type: ignore[arg-type]
     return previous
