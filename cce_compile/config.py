@@ -219,10 +219,12 @@ def get() -> Settings:
 def update(**changes: object) -> Settings:
     """Change settings for the rest of the process; returns the previous settings."""
     global _current
-    if "auto_enable" in changes:  # read once, by the start-up hook: changing it does nothing
-        raise SettingsError(
-            "setting 'auto_enable' is CCE_COMPILE, read by the start-up hook when the "
-            "interpreter starts; in code, call cce_compile.enable() (or use backend='cce')"
+    if changes.get("auto_enable") and not _current.auto_enable:
+        # Read by the start-up hook only: setting it in code installs nothing.
+        logging.getLogger("cce_compile").warning(
+            "cce_compile: setting 'auto_enable' (CCE_COMPILE) is read by the start-up hook when "
+            "the interpreter starts; setting it in code installs nothing: call "
+            "cce_compile.enable() (or use backend='cce')"
         )
     previous = get()
     _current = dataclasses.replace(previous, **changes)  # type: ignore[arg-type]

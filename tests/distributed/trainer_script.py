@@ -81,6 +81,12 @@ def main() -> None:
     }
     cli.out.mkdir(parents=True, exist_ok=True)
     (cli.out / f"rank{args.process_index}.json").write_text(json.dumps(report))
+    # Leave the process group before exiting: a rank that exits with gloo's threads still
+    # running can abort in teardown ("terminate called without an active exception"), which
+    # a CI run under load hit once.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
