@@ -28,6 +28,11 @@ VOCAB = 4097  # odd: uneven shards on 2 and 4 ranks
 CASES = {
     "plain": (dict(), dict()),
     "ignore_index": (dict(ignore_index=-1, ignored_fraction=0.4), dict()),
+    # int32 targets wrap 2**32 + 5 to class 5, which must still count (PyTorch: int64)
+    "int32-ignore_index_outside_int32": (
+        dict(target_dtype=torch.int32, ignore_index=2**32 + 5, ignored_fraction=0.4),
+        dict(),
+    ),
     "smoothing-class_weights": (dict(label_smoothing=0.1, class_weights=True), dict()),
     "z_loss": (dict(z_loss=1e-3), dict()),
     "softcap-logit_scale": (dict(softcap=3.0, logit_scale=1.7), dict()),
