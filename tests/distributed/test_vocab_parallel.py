@@ -33,6 +33,10 @@ CASES = {
         dict(target_dtype=torch.int32, ignore_index=2**32 + 5, ignored_fraction=0.4),
         dict(),
     ),
+    "ignore_index-0d_tensor": (
+        dict(ignore_index=7, ignored_fraction=0.4),
+        dict(ignore_index_as=torch.tensor),
+    ),
     "smoothing-class_weights": (dict(label_smoothing=0.1, class_weights=True), dict()),
     "z_loss": (dict(z_loss=1e-3), dict()),
     "softcap-logit_scale": (dict(softcap=3.0, logit_scale=1.7), dict()),
@@ -74,6 +78,7 @@ def _run_case(name: str, rank: int, world: int, mesh) -> dict:
     classifier = case.classifier[start : start + rows].clone().requires_grad_()
     bias = None if case.bias is None else case.bias[start : start + rows].clone().requires_grad_()
     options = case.options()
+    options["ignore_index"] = call.get("ignore_index_as", int)(options["ignore_index"])
     comm = CommDebugMode()
     mode = call.get("dtensor")
     if mode is None:
