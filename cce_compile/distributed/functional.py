@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..functional import autocast_dtype, skips_ignored
+from ..functional import as_ignore_index, autocast_dtype, skips_ignored
 from ..loss_math import LossSpec
 from ..op_signature import LOSS_OPTIONS
 from . import ops as _ops
@@ -131,7 +131,7 @@ def vocab_parallel_cross_entropy(
         ``return_lse`` the per-row lse over the whole vocabulary.
     """
     spec = LossSpec(
-        ignore_index=ignore_index,
+        ignore_index=as_ignore_index(ignore_index),
         reduction=reduction,
         label_smoothing=float(label_smoothing),
         softcap=None if softcap is None else float(softcap),
@@ -139,8 +139,6 @@ def vocab_parallel_cross_entropy(
         shift=shift,
         z_loss=float(z_loss),
     )
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     mesh = None
     if isinstance(classifier, DTensor):
         given = [n for n, v in (("vocab_start", vocab_start), ("vocab_size", vocab_size),

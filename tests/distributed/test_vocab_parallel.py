@@ -28,6 +28,15 @@ VOCAB = 4097  # odd: uneven shards on 2 and 4 ranks
 CASES = {
     "plain": (dict(), dict()),
     "ignore_index": (dict(ignore_index=-1, ignored_fraction=0.4), dict()),
+    # int32 targets wrap 2**32 + 5 to class 5, which must still count (PyTorch: int64)
+    "int32-ignore_index_outside_int32": (
+        dict(target_dtype=torch.int32, ignore_index=2**32 + 5, ignored_fraction=0.4),
+        dict(),
+    ),
+    "ignore_index-0d_tensor": (
+        dict(ignore_index=7, ignored_fraction=0.4),
+        dict(ignore_index_as=torch.tensor),
+    ),
     "smoothing-class_weights": (dict(label_smoothing=0.1, class_weights=True), dict()),
     "z_loss": (dict(z_loss=1e-3), dict()),
     "softcap-logit_scale": (dict(softcap=3.0, logit_scale=1.7), dict()),
@@ -69,6 +78,7 @@ def _run_case(name: str, rank: int, world: int, mesh) -> dict:
     classifier = case.classifier[start : start + rows].clone().requires_grad_()
     bias = None if case.bias is None else case.bias[start : start + rows].clone().requires_grad_()
     options = case.options()
+    options["ignore_index"] = call.get("ignore_index_as", int)(options["ignore_index"])
     comm = CommDebugMode()
     mode = call.get("dtensor")
     if mode is None:
