@@ -61,7 +61,7 @@ MIN_SLAB_MACS = 2**35
 # the host's launches for the rest of the call. Below it the loss is host-bound and the sync
 # costs more than the skipped rows save: shape C (4096 x 2048 x 32000, 2^38) ran 9% slower with
 # 10% of its rows skipped and no faster with 50%; E (2^42) 6% and 47% faster (H200, session 11,
-# bench/results/run_session11/skip_ignored_cost*.md). On a CPU the sync costs nothing.
+# bench/results/sft_masking.md). On a CPU the sync costs nothing.
 MIN_SKIP_MACS = 2**39
 # The smallest budget: tiny problems (tests, the CPU demo's first steps) still get chunks of
 # useful size.
