@@ -4,13 +4,13 @@ fit in it. README's "Memory policy" table states the same rules.
 Every extra byte is counted against one budget (beyond the op's inputs, its outputs and the
 gradients it returns):
 
-* budget: ``CCE_MEMORY_BUDGET_MB`` if set; else ``CCE_MEMORY_FRACTION`` (1/8) of the logits it
+* budget: ``CCE_MEMORY_BUDGET_MB`` if set; else ``CCE_MEMORY_FRACTION`` (1/5) of the logits it
   replaces, N x V x the head's dtype size; at least ``MIN_BUDGET``.
 * lean: forward, the rounded hidden (AMP) and one rounded classifier slab; backward, a float32
   d-hidden accumulator (N x D x 4), the rounded hidden (AMP) and slabs of ``w`` classes
   (N x w gradient, plus w x D rounded classifier under AMP), ``w`` as large as the budget
   allows and at least ``MIN_SLAB_COLUMNS`` (so at V < 16 D, where the accumulator alone is
-  over 1/8 of the logits, lean takes more than the budget).
+  over 1/5 of the logits, lean takes more than the budget).
 * fast: no V x D tensor of its own (the classifier's gradient, in its own dtype, accumulates
   the chunks: it is an output, not extra); the rounded hidden (AMP; the rounded classifier is
   autocast's own copy, not counted: ``fast_fixed_bytes``), and chunks of ``n`` rows of
@@ -42,6 +42,12 @@ log = logging.getLogger("cce_compile")
 # The most rows per fast-mode chunk: beyond it more rows buy little speed (the accumulator's
 # re-read is ~5% at 4096) and cost chunk memory.
 FAST_CHUNK_ROWS = 4096
+# The narrowest hidden size for which auto prefers fast on a GPU: fast moves ~14 bytes per logit
+# outside its GEMMs (float32 logits written and read, the bf16 gradient written and read
+# twice) against 6 D FLOPs, lean ~6 bytes against 8 D FLOPs with its forward fused; at ~200
+# FLOP per byte lean is the faster below D ~ 850: shape G (D = 512) ran fast at 1.38x
+# compile's time and lean at 1.10x, C (D = 2048) fast at 2.97 ms and lean at 3.72 (H100).
+MIN_FAST_DIM = 1024
 # The fewest rows per fast-mode chunk for auto to prefer fast over lean, for a float32
 # classifier gradient (AMP); half of it for a 2-byte one (module docstring).
 MIN_FAST_ROWS = 1024
@@ -77,6 +83,7 @@ class Problem:
     dim: int  # D
     logit_bytes: int  # bytes of one logit in the head's compute dtype (2 for bf16)
     rounds_inputs: bool = False  # the op rounds float32 inputs to the compute dtype (AMP)
+    device_type: str = "cuda"  # where it runs: the GPU's rules differ from the CPU path's
 
 
 def budget_bytes(problem: Problem, budget_mb: int | None, fraction: float) -> int:
@@ -118,7 +125,10 @@ def fast_floor_rows(problem: Problem, needs_classifier: bool) -> int:
 
 
 def fast_fits(problem: Problem, needs_classifier: bool, budget: int) -> bool:
-    """Does a fast-mode chunk that auto would accept fit the budget (module docstring)?"""
+    """Does a fast-mode chunk that auto would accept fit the budget (module docstring), on a
+    GPU at a hidden size where fast's passes over the logits cost less than lean's GEMM?"""
+    if problem.device_type == "cuda" and problem.dim < MIN_FAST_DIM:
+        return False
     chunk = fast_chunk_rows(problem, budget)
     return chunk > 0 and chunk >= min(fast_floor_rows(problem, needs_classifier), problem.rows)
 

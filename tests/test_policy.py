@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+import cce_compile
 from cce_compile import policy
 from cce_compile.policy import MIN_FAST_ROWS, MIN_FROZEN_FAST_ROWS, Problem, choose_mode
 
@@ -63,7 +66,7 @@ def test_auto_takes_lean(override):
 
 
 def test_a_small_problem_takes_fast_when_all_its_rows_fit():
-    small = Problem(rows=100, vocab=1000, dim=64, logit_bytes=2)
+    small = Problem(rows=100, vocab=1000, dim=64, logit_bytes=2, device_type="cpu")
     budget = 100 * (1000 + 64) * 4
     assert choose(problem=small, budget=budget) == "fast"
 
@@ -171,3 +174,21 @@ def test_skipping_ignored_rows_pays_on_a_gpu_only_for_problems_large_enough():
     assert policy.skipping_pays("cuda", 8192, 128256, 4096)  # shape E
     assert policy.skipping_pays("cuda", 16384, 131072, 512)  # shape G, 2^40
     assert policy.skipping_pays("cpu", 4, 8, 2)
+
+
+def test_the_default_budget_takes_fast_for_a_trained_bf16_head_at_e_and_b():
+    """1/5 of the logits holds fast chunks of ~800 (E) and ~1600 (B) rows: measured on an H100
+    at 1.08-1.12x and 0.99-1.09x compile's time, against lean's 1.32x and 1.27x."""
+    fraction = cce_compile.config.Settings().memory_fraction
+    for rows in (8192, 16384):
+        problem = Problem(rows=rows, vocab=128256, dim=4096, logit_bytes=2)
+        budget = policy.budget_bytes(problem, None, fraction)
+        assert choose(problem=problem, budget=budget) == "fast"
+        assert policy.fast_run_rows(problem, True, budget) * ROW <= budget
+
+
+def test_a_narrow_head_on_a_gpu_takes_lean():
+    """D < MIN_FAST_DIM: fast's passes over the logits outweigh lean's extra GEMM (shape G)."""
+    g = Problem(rows=16384, vocab=131072, dim=512, logit_bytes=2)
+    assert choose(problem=g) == "lean"
+    assert choose(problem=dataclasses.replace(g, device_type="cpu")) == "fast"
