@@ -43,6 +43,35 @@ CASES = {
     "return_lse": (dict(z_loss=1e-4), dict(return_lse=True)),
     "all_ignored": (dict(ignored_fraction=1.0), dict()),
     "every_row": (dict(ignored_fraction=0.4), dict(skip_ignored=False)),
+    # Half the rows ignored (compacted away before the all-gather) under every reduction.
+    "ignored-sum-smoothing-softcap": (
+        dict(reduction="sum", ignored_fraction=0.5, label_smoothing=0.1, softcap=2.5),
+        dict(),
+    ),
+    "ignored-none-weights-smoothing-z_loss": (
+        dict(
+            reduction="none",
+            ignored_fraction=0.5,
+            class_weights=True,
+            label_smoothing=0.2,
+            z_loss=1e-3,
+        ),
+        dict(),
+    ),
+    "ignored-mean-every_row-smoothing-softcap": (
+        dict(ignored_fraction=0.5, label_smoothing=0.1, softcap=3.0, logit_scale=0.5),
+        dict(skip_ignored=False),
+    ),
+    "ignored-none-return_lse": (
+        dict(reduction="none", ignored_fraction=0.5),
+        dict(return_lse=True),
+    ),
+    "ignore_index_0-full_smoothing": (dict(ignore_index=0, label_smoothing=1.0), dict()),
+    "int32_targets-shift2": (dict(target_dtype=torch.int32, shift=2, ignored_fraction=0.3), dict()),
+    "bf16-ignored-smoothing-softcap": (
+        dict(dtype=torch.bfloat16, ignored_fraction=0.5, label_smoothing=0.1, softcap=30.0),
+        dict(),
+    ),
     "bf16": (dict(dtype=torch.bfloat16, bias=True), dict()),
     "no_hidden_grad": (dict(), dict(hidden_grad=False)),
     "compiled-aot_eager": (dict(bias=True, label_smoothing=0.1), dict(compile="aot_eager")),
@@ -50,7 +79,15 @@ CASES = {
     "dtensor-replicated": (dict(bias=True), dict(dtensor="replicate")),
     "dtensor-sequence_parallel": (dict(), dict(dtensor="sequence")),
 }
-WORLD4_CASES = ["plain", "smoothing-class_weights", "bias", "compiled-aot_eager", "tiny_vocab"]
+WORLD4_CASES = [
+    "plain",
+    "smoothing-class_weights",
+    "bias",
+    "compiled-aot_eager",
+    "tiny_vocab",
+    "ignored-none-weights-smoothing-z_loss",
+    "ignore_index_0-full_smoothing",
+]
 TINY_VOCAB = 3  # fewer classes than 4 ranks: the last rank's shard is empty
 
 
@@ -148,6 +185,7 @@ def _run_case(name: str, rank: int, world: int, mesh) -> dict:
         errors[f"grad_{label}_dtype"] = (float(grad.dtype != leaf.dtype), 0.0)
     return dict(
         errors=errors,
+        outputs=[o.detach().double().tolist() for o in ours],  # (a tensor cannot leave)
         forward=[c.key for c in forward.collectives],
         backward=[c.key for c in backward.collectives],
         forward_syncs=dict(forward.syncs),
@@ -225,6 +263,12 @@ def _check(results: list[dict], name: str) -> None:
             **({"nonzero": 1} if expected["compacts"] else {}),
         }, got["forward_syncs"]
         assert got["backward_syncs"] == {}, got["backward_syncs"]
+    # Every rank combines the same gathered rows in the same order: the same bits everywhere.
+    first = results[0][name]["outputs"]
+    for rank, per_rank in enumerate(results[1:], 1):
+        for mine, theirs in zip(per_rank[name]["outputs"], first):
+            mine, theirs = torch.tensor(mine).nan_to_num(), torch.tensor(theirs).nan_to_num()
+            assert torch.equal(mine, theirs), f"rank {rank} differs"
 
 
 @pytest.mark.parametrize("name", list(CASES))
