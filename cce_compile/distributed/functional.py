@@ -106,10 +106,11 @@ def vocab_parallel_cross_entropy(
     over a process group, no logits stored: ``cce_compile.linear_cross_entropy``'s loss and
     gradients over the whole vocabulary, from each rank's shard.
 
-    Every rank calls it with the same ``hidden``, ``targets`` and options (SPMD). Forward: two
-    all-reduces of N floats (row max; packed sum-exp, target logit and, with smoothing,
-    weighted sum). Backward (lean: the shard's logits are recomputed): hidden's gradient is
-    reduced once over the group; the classifier's and bias's stay local.
+    Every rank calls it with the same ``hidden``, ``targets`` and options (SPMD). Forward: one
+    all-gather of each rank's packed per-row lse, target logit and, with smoothing, weighted
+    sum (2 or 3 floats a row), combined locally. Backward (lean: the shard's logits are
+    recomputed): hidden's gradient is reduced once over the group; the classifier's and
+    bias's stay local.
 
     Args:
         hidden: (..., D), the same on every rank; or a DTensor on the classifier's mesh (any
