@@ -82,9 +82,10 @@ def test_every_setting_that_changes_the_rewrite_changes_the_uuid():
         return F.cross_entropy(logits.view(-1, w.shape[0]), y.view(-1)), logits
 
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, 64, generator=gen, requires_grad=True)
+    # 600 rows: a 1 MiB budget holds fewer fast rows than the floor, 4 GiB all of them.
+    x = torch.randn(2, 300, 64, generator=gen, requires_grad=True)
     w = torch.randn(4096, 64, generator=gen, requires_grad=True)
-    y = torch.randint(0, 4096, (2, 3), generator=gen)
+    y = torch.randint(0, 4096, (2, 300), generator=gen)
     emitted = {}
     for name, values in SETTING_VALUES.items():
         for value in values:
@@ -116,9 +117,10 @@ def test_warm_cache_compiled_under_another_budget_is_not_replayed(monkeypatch):
         execution, "forward", lambda args: modes.append(args.mode) or real_forward(args)
     )
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, 64, generator=gen, requires_grad=True)
+    # 600 rows: a 1 MiB budget holds fewer fast rows than the floor, 4 GiB all of them.
+    x = torch.randn(2, 300, 64, generator=gen, requires_grad=True)
     w = torch.randn(4096, 64, generator=gen, requires_grad=True)
-    y = torch.randint(0, 4096, (2, 3), generator=gen)
+    y = torch.randint(0, 4096, (2, 300), generator=gen)
     with (
         fresh_cache(),
         hook_enabled(),
