@@ -155,9 +155,12 @@ def scale_gradient_(gradient: torch.Tensor, grad_loss: torch.Tensor) -> torch.Te
     gradient), with float32 math and one rounding (a bf16 buffer is not multiplied by a
     bf16-rounded scale). ``gradient`` is a saved tensor of the op's autograd formula.
 
-    Eager, it is scaled through ``.data``, which autograd's version counter does not see: the
-    formula hands each buffer out once and recomputes after that (``ops._take_fast_gradients``),
-    so no later unpacking reads it as a saved value. Traced (torch.compile's fake and
+    Eager, it is scaled and handed out as ``.data``: the same storage under a version counter
+    of its own, so neither this scaling nor what autograd, hooks or the user later do to it in
+    place (``.grad`` accumulation, ``zero_()``) moves the saved tensor's version, which every
+    later backward of a retained graph checks when it unpacks. The formula hands each buffer
+    out once and recomputes after that (``ops._take_fast_gradients``): no later backward reads
+    its values. Traced (torch.compile's fake and
     functional tensors), that Python runs once, so the product is out of place: Inductor
     computes it in float32 and writes it over the saved buffer only where AOTAutograd donates
     that buffer to the backward (``donated_buffer``, which PyTorch refuses with a retained
@@ -165,8 +168,9 @@ def scale_gradient_(gradient: torch.Tensor, grad_loss: torch.Tensor) -> torch.Te
     later backward of a retained graph reads."""
     if type(gradient) is not torch.Tensor:
         return gradient * grad_loss
-    implementation_for(gradient.device).scale_(gradient.data, grad_loss)
-    return gradient
+    handed_out = gradient.data  # its own version counter: the saved tensor's never moves
+    implementation_for(gradient.device).scale_(handed_out, grad_loss)
+    return handed_out
 
 
 def recompute(args: Bound, needs: Needs, gradients_rows: GradientRows) -> Gradients:
