@@ -96,6 +96,12 @@ def main() -> None:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = build_tokenizer()
+    # TRL turns activation checkpointing on by default, under transformers' old name
+    # (gradient_checkpointing), which transformers 5 reports as deprecated: the new name, where
+    # transformers has it, keeps the same run without the FutureWarning.
+    renamed = (
+        {"activation_checkpointing": True} if hasattr(SFTConfig, "activation_checkpointing") else {}
+    )
     cce_trl.install()  # before or after building the trainer; raises if TRL is not 1.16.x
     with tempfile.TemporaryDirectory() as output_dir:
         config = SFTConfig(
@@ -112,6 +118,7 @@ def main() -> None:
             packing=args.packing,
             max_length=64,
             torch_compile=args.torch_compile,
+            **renamed,
         )
         trainer = SFTTrainer(
             model=build_model(len(tokenizer)),
