@@ -7,7 +7,7 @@ Public surface::
     cce_compile.linear_cross_entropy(hidden, classifier, targets, ...)
     cce_compile.explain(fn_or_model, *args, **kwargs)
     with cce_compile.watch() as report: ...              # what the compiles in a block did
-    cce_compile.config                                   # settings (see README)
+    cce_compile.config                                   # settings (docs/settings.md)
 
 Attributes load lazily, so ``import cce_compile`` (and the CCE_COMPILE=1 start-up hook) does
 not import torch until something is used.
