@@ -1,5 +1,5 @@
 """The memory policy: how much extra memory the loss may use, and the mode and chunking that
-fit in it. README's "Memory policy" table states the same rules.
+fit in it. docs/design.md's "Memory policy" table states the same rules.
 
 Every extra byte is counted against one budget (beyond the op's inputs, its outputs and the
 gradients it returns):
