@@ -1,7 +1,8 @@
 """The pass's log under torch's logging controls, and its tlparse artifacts.
 
-* ``TORCH_LOGS=cce`` (or ``torch._logging.set_logs(cce=logging.INFO)``): every site of every
-  graph the pass runs on, rewritten or not, and why (INFO on the ``cce_compile`` logger).
+* ``TORCH_LOGS=cce`` (in code: ``torch._logging.set_logs(modules={"cce": logging.INFO})``):
+  every site of every graph the pass runs on, rewritten or not, and why (INFO on the
+  ``cce_compile`` logger).
   ``TORCH_LOGS=+cce``: also each rewritten graph (DEBUG). ``cce`` is registered with torch's
   ``register_log`` when the pass is imported; named in ``TORCH_LOGS`` at start-up, it is
   registered by ``config.py`` (imported at interpreter start by the start-up hook) as soon as
