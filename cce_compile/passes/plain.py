@@ -56,7 +56,6 @@ class PlainSite(Site):
     detach_operands: bool  # the logits carry no gradient (no_grad / detach on the way)
     kept_logits: list[Node]  # escaping, kept alive (CCE_ESCAPING_LOGITS=rewrite)
     dropped_logits: list[Node]  # returned (or their returned casts): a placeholder (=drop)
-    logits: list[Node]  # the head and the chain (what a returned cast is a cast of)
 
     @property
     def logits_fate(self) -> str:
@@ -202,10 +201,11 @@ def _site(
     found = _Candidate(loss, options, walk, operands, inside, users)
     anchor, lse_shapes = _serve_logsumexps(found, order)
     rejected = _write_in_region(found, anchor, order)
-    escape = _escape(found)
-    if rejected is not None or isinstance(escape, Rejection):
-        return rejected or escape
-    dropped = escape
+    dropped = _escape(found)
+    if rejected is not None:
+        return rejected
+    if isinstance(dropped, Rejection):
+        return dropped
     return PlainSite(
         **w.site_fields(loss, options, walk, operands.hidden, operands.classifier, operands.bias),
         classifier_is_transposed=operands.transposed,
@@ -219,7 +219,6 @@ def _site(
         detach_operands=not safety.requires_grad(options.log_softmax or options.logits),
         kept_logits=[] if dropped else users.escaping,
         dropped_logits=dropped,
-        logits=[walk.head, *walk.chain],
     )
 
 
@@ -418,8 +417,8 @@ def _drop_returned_logits(graph: Graph, site: PlainSite) -> None:
         sizes = _sizes(emit, value.shape, [site.hidden, site.targets])
         dropped = emit(placeholder.OP, sizes, value.dtype, value.device, where)
         output.replace_input_with(node, dropped)
-    casts = [c for node in site.dropped_logits for c in escapes.cast_path(node, site.logits)]
-    erase_unused(graph, casts)
+    logits = [site.head, *site.chain]
+    erase_unused(graph, [c for n in site.dropped_logits for c in escapes.cast_path(n, logits)])
 
 
 def _sizes(emit: Emitter, shape: Any, sources: list[Node]) -> list[Any]:

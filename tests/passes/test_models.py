@@ -2,8 +2,9 @@
 
 The recommended recipe compiles the training step that turns inputs into the loss, so the
 logits die inside the graph: ``step = lambda ids, labels: model(ids, labels=labels).loss``.
-Compiling the model itself returns the logits, which the pass leaves alone (and says why)
-unless CCE_ESCAPING_LOGITS=drop. ``hf_zoo.ZOO`` lists the families run in both recipes.
+Compiling the model itself returns the logits: the default CCE_ESCAPING_LOGITS=drop fuses the
+training loss and returns a placeholder for them; =keep leaves the site alone (and says why).
+``hf_zoo.ZOO`` lists the families run in both recipes.
 """
 
 from __future__ import annotations
