@@ -54,11 +54,33 @@ class Settings:
     memory_budget_mb: int | None = _rewrite("CCE_MEMORY_BUDGET_MB", None)
     """CCE_MEMORY_BUDGET_MB: an absolute budget in MiB that replaces the fraction (unset: the
     fraction rules)."""
-    escaping_logits: str = _rewrite("CCE_ESCAPING_LOGITS", "keep")
-    """CCE_ESCAPING_LOGITS: 'keep' leaves a site whose logits escape alone; 'rewrite' fuses
-    the loss anyway and keeps the escaping logits (and their gradient path) intact; 'drop'
-    (training graphs) fuses the loss and returns the logits as a tensor without data (device
-    'meta'), so that any use of them raises."""
+    escaping_logits: str = _rewrite("CCE_ESCAPING_LOGITS", "drop")
+    """CCE_ESCAPING_LOGITS: what the pass does with a loss whose logits are also used outside
+    it (docs/escaping_logits.md).
+
+    * 'drop' (default): a *training* graph (the loss needs gradients) whose logits are only
+      returned (as they are, or cast to another float dtype) gets the fused loss and returns,
+      in place of the logits, a ``LogitsNotComputed`` placeholder of their shape and dtype that
+      holds no memory: any read of a value from it raises one error naming this setting
+      (``passes/placeholder.py``). Evaluation and generation graphs (no gradient) keep their
+      logits and are not warned about. Logits also used inside the graph are left alone, with
+      a warning.
+    * 'keep': leave every site whose logits escape alone (logged at INFO, the user's choice).
+    * 'rewrite': fuse the loss anyway and keep the escaping logits (and their gradient path)
+      intact: the logits' memory is not saved, the log-softmax's is.
+
+    Why 'drop' by default: compiling the whole model (``model.compile()``, the HF Trainer's
+    ``torch_compile=True``) is how most people compile, and Hugging Face models return the
+    logits beside the loss, so under 'keep' that fused nothing until the user found this
+    setting. The loops that run such graphs do not read the training logits: the HF Trainer
+    reads ``outputs.loss`` in training (its label smoothing and ``compute_loss_func`` pop the
+    labels, so the model computes no loss and there is no site: exact and unfused), TRL 1.16's
+    SFTTrainer takes its metrics from its own fused LM head, accelerate's mixed-precision
+    ``.float()`` and DDP's output pass-through read no value, and Liger's model patches
+    already return no training logits. Code that does read them (a custom loop logging token
+    accuracy from ``outputs.logits``) gets the error at its first read, never a number: the
+    error names 'rewrite' and 'keep'. 'rewrite' is no default: it keeps the N x V logits, the
+    memory the fused loss exists to save."""
     grad_filter: float | None = _rewrite("CCE_GRAD_FILTER", None)
     """CCE_GRAD_FILTER: gradient filtering's beta for the sites the pass rewrites (lean mode;
     filtering.py states the bound); unset: exact gradients."""
@@ -207,6 +229,20 @@ _current, _environ_error = _from_process_environ()
 # Said once per process, at its first import of cce_compile (at every interpreter start where
 # the start-up hook is installed), so that a misspelt variable is not silently ignored.
 _warn_mistyped(os.environ)
+
+
+def torch_logs_names_cce(environ: Mapping[str, str]) -> bool:
+    """Does TORCH_LOGS name the pass's log (``cce``, ``+cce``)?"""
+    names = environ.get("TORCH_LOGS", "").split(",")
+    return any(name.strip().lstrip("+-") == "cce" for name in names)
+
+
+if torch_logs_names_cce(os.environ):
+    # torch refuses a TORCH_LOGS name it does not know when it is imported: register 'cce'
+    # before (this module is imported at interpreter start where the start-up hook is).
+    from .passes import logs
+
+    logs.register_before_torch()
 
 
 def get() -> Settings:

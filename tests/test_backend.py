@@ -76,7 +76,8 @@ def test_explain_reports_sites_and_fixes():
         fused = loss(x, w, b, y)
         return escaped + fused, logits
 
-    report = cce_compile.explain(two_sites, *small_inputs())
+    with cce_compile.config.override(escaping_logits="keep"):  # the default fuses both
+        report = cce_compile.explain(two_sites, *small_inputs())
     assert len(report.sites) == 2 and len(report.rewritten) == 1
     text = str(report)
     assert "REWRITTEN" in text and "logits_escape" in text and "fix:" in text

@@ -110,7 +110,7 @@ def test_rewrite_key_tracks_what_changes_the_rewrite():
     base = config.Settings()
     assert base.rewrite_key() != config.Settings(mode="fast").rewrite_key()
     assert base.rewrite_key() != config.Settings(escaping_logits="rewrite").rewrite_key()
-    assert base.rewrite_key() != config.Settings(escaping_logits="drop").rewrite_key()
+    assert base.rewrite_key() != config.Settings(escaping_logits="keep").rewrite_key()
     assert base.rewrite_key() != config.Settings(memory_budget_mb=5).rewrite_key()
     assert base.rewrite_key() == config.Settings(check_targets=True).rewrite_key()
 

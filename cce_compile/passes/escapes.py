@@ -7,9 +7,11 @@ nodes between them, is one of:
   chain when the site is rewritten;
 * a ``logsumexp`` over the logits at the loss rows (a z-loss), possibly through float32 casts:
   the op's lse can serve it;
-* anything else: the logits escape. ``CCE_ESCAPING_LOGITS`` decides: keep (leave the site
-  alone), rewrite (fuse and keep the logits), drop (fuse a training loss whose logits are only
-  returned, and return a data-less meta tensor in their place).
+* anything else: the logits escape. ``CCE_ESCAPING_LOGITS`` decides: drop (the default: fuse
+  a training loss whose logits are only returned, directly or through float casts such as
+  accelerate's mixed-precision ``.float()``, and return a ``LogitsNotComputed`` placeholder in
+  their place), keep (leave the site alone), rewrite (fuse and keep the logits). Evaluation
+  graphs (the loss needs no gradient) keep their logits under drop, quietly.
 """
 
 from __future__ import annotations
@@ -107,13 +109,50 @@ def lse_shape(user: Node, targets: Node, rows: tuple) -> Any:
     return None if any(size is None for size in sizes) else sizes
 
 
-def returned_only(escaping: list[Node], logits: list[Node], inside: list[Node]) -> bool:
-    """Is every escaping node one of the ``logits`` (head or chain), used outside ``inside``
-    only as an output of the graph (a model returning its logits)?"""
-    return all(
-        node in logits and all(u.op == "output" for u in outside_users([node], inside))
-        for node in escaping
-    )
+def returned_forms(
+    escaping: list[Node], logits: list[Node], inside: list[Node]
+) -> list[Node] | None:
+    """The nodes by which the escaping logits leave the graph, if leaving it is all they do:
+    each escaping node (one of the ``logits``, head or chain) that the output uses, and each
+    floating-point cast of it (``.float()``, ``.to(dtype)``, through further casts) that only
+    the output uses. None if anything else uses them."""
+    forms: list[Node] = []
+    for node in escaping:
+        found = node in logits and _returned(node, outside_users([node], inside))
+        if not found:
+            return None
+        forms += [form for form in found if form not in forms]
+    return forms
+
+
+def _returned(node: Node, users: list[Node]) -> list[Node] | None:
+    """``node`` and its casts that ``users`` (output, casts to output) return; None (or []) if
+    one of them does something else."""
+    forms: list[Node] = []
+    for user in users:
+        if user.op == "output":
+            forms.append(node)
+            continue
+        dtype = p.cast_dtype(user)
+        found = (
+            dtype is not None
+            and dtype.is_floating_point
+            and _returned(user, safety.live_users(user))
+        )
+        if not found:
+            return None
+        forms += found
+    return forms
+
+
+def cast_path(form: Node, logits: list[Node]) -> list[Node]:
+    """The casts from one of the ``logits`` to a returned ``form`` (``returned_forms``), the
+    form first: what the rewrite erases once the output no longer uses it."""
+    path = []
+    while form not in logits:
+        path.append(form)
+        form = form.args[0]
+    return path
 
 
 def shapes_rebuildable(logits: list[Node], hidden: Node, targets: Node) -> bool:
@@ -133,13 +172,28 @@ def escape_detail(
     """Who else uses the logits, and the setting that would fuse the loss anyway."""
     users = sorted(u.name for u in outside_users(escaping, inside))
     what = "returned by the graph" if returned else f"also used by {', '.join(users)}"
-    if returned and training:
-        fix = "CCE_ESCAPING_LOGITS=drop fuses this training loss (=rewrite keeps the logits)"
-    elif returned and policy == "drop":
-        fix = (
-            "CCE_ESCAPING_LOGITS=drop applies to training graphs only (this loss needs no "
-            "gradient); =rewrite fuses it and keeps the logits"
+    if not training:
+        return (
+            f"the logits are {what} and the loss needs no gradient (an evaluation or "
+            "generation graph): its logits are kept; CCE_ESCAPING_LOGITS=rewrite fuses its "
+            "loss and keeps them"
         )
-    else:
-        fix = "CCE_ESCAPING_LOGITS=rewrite fuses the loss and keeps them"
-    return f"the logits are {what}; {fix}"
+    if returned and policy == "keep":
+        return (
+            f"the logits are {what}; CCE_ESCAPING_LOGITS=keep leaves this training loss "
+            "unfused (=drop, the default, fuses it and returns a placeholder in their place; "
+            "=rewrite fuses it and keeps them)"
+        )
+    if returned:
+        return (
+            f"the logits are {what}, but a size of theirs cannot be read from the graph's "
+            "inputs for the placeholder; CCE_ESCAPING_LOGITS=rewrite fuses the loss and keeps "
+            "them"
+        )
+    return f"the logits are {what}; CCE_ESCAPING_LOGITS=rewrite fuses the loss and keeps them"
+
+
+def quiet(policy: str, training: bool) -> bool:
+    """Is leaving the site alone what the user asked for (evaluation graphs keep their logits;
+    CCE_ESCAPING_LOGITS=keep): said at INFO, not as a warning."""
+    return not training or policy == "keep"

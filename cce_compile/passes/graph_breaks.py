@@ -63,7 +63,8 @@ def blame_break(site: SiteReport, breaks: list[GraphBreak]) -> None:
             "transformers' enable_input_require_grads hook (added with activation "
             "checkpointing when the embeddings are frozen, e.g. under PEFT) breaks the graph: "
             "call model.disable_input_require_grads() (non-reentrant checkpointing does not "
-            "need it), or set CCE_ESCAPING_LOGITS=drop"
+            "need it); the loss after the break is fused only if its logits are merely "
+            "returned from a training graph (CCE_ESCAPING_LOGITS=drop, the default)"
         )
     elif re.search(r"\bprint\b", text):
         site.fix = (
@@ -89,9 +90,9 @@ def blame_break(site: SiteReport, breaks: list[GraphBreak]) -> None:
 _DDP_FIX = (
     "DistributedDataParallel's forward always breaks the graph, so a loss computed outside "
     "the wrapped module cannot meet its head: compute it inside the module's forward "
-    "(`ddp_model(x, labels=y).loss`; add CCE_ESCAPING_LOGITS=drop if the model also returns "
-    "its logits), or set torch._dynamo.config.optimize_ddp = 'python_reducer' before wrapping "
-    "the model and run the backward under compiled autograd"
+    "(`ddp_model(x, labels=y).loss`; logits it also returns are dropped under the default "
+    "CCE_ESCAPING_LOGITS=drop), or set torch._dynamo.config.optimize_ddp = 'python_reducer' "
+    "before wrapping the model and run the backward under compiled autograd"
 )
 
 

@@ -1,10 +1,12 @@
 """The pass: a ``CustomGraphPass`` that rewrites every matched site of a Dynamo graph.
 
 Matches and rejections are counted in ``torch._dynamo.utils.counters["cce_compile"]``
-(``rewritten``, ``skipped:<reason>``). Every rejection is logged at debug level by the
-``cce_compile`` logger when it is found, and once per site and reason (not on every recompile)
-at warning level by the pass, with what to change: a site left alone is never silent.
-Returned logits that ``CCE_ESCAPING_LOGITS=drop`` replaces are logged once per site (info).
+(``rewritten``, ``skipped:<reason>``). Every site, rewritten or not, is logged at INFO by the
+``cce_compile`` logger on every run (``TORCH_LOGS=cce``; ``+cce`` adds the rewritten graph, and
+tlparse gets both as artifacts: ``logs.py``). A site left alone that the user did not ask for
+is also a warning, once per site and reason (not on every recompile), with what to change: it
+is never silent. Leaving alone what the user asked for (an evaluation graph's logits, which
+``CCE_ESCAPING_LOGITS=drop`` keeps; ``=keep``) is INFO only.
 The pass is idempotent (a rewritten site no longer matches), adds no placeholder and
 recurses into nothing by itself: Inductor's pre-grad hook calls it once per (sub)graph, and the
 backend calls ``run_on_module`` for sub-graphs.
@@ -24,13 +26,14 @@ from torch.fx import Graph, GraphModule
 
 from .. import config
 from ..ops import IMPLEMENTATION_VERSION
-from . import report, tracing
+from . import logs, report, tracing
 from .matching import find_sites
 from .plain import OP
 from .report_types import SiteReport, describe
 from .verdicts import Site
 
 log = logging.getLogger("cce_compile")
+logs.register()
 
 
 @functools.cache
@@ -53,24 +56,18 @@ def pass_uuid() -> str:
     return f"cce_compile:{_source_digest()}:{config.get().rewrite_key()}"
 
 
-_told: set[tuple[str, str]] = set()  # (location, reason) already logged once
+_told: set[tuple[str, str]] = set()  # (location, reason) already warned about once
 
 
-def _tell_once(described: SiteReport) -> None:
-    """Log a site left alone (or whose returned logits were dropped) once per process."""
-    key = (described.location, described.reason or described.logits)
-    if key in _told:
-        return
-    _told.add(key)
-    if not described.rewritten:
+def _tell(described: SiteReport) -> None:
+    """A site left alone that the user did not ask for: a warning, once per process; every
+    other site, and that one again: INFO (``TORCH_LOGS=cce``)."""
+    key = (described.location, described.reason)
+    if not described.rewritten and not described.quiet and key not in _told:
+        _told.add(key)
         log.warning("%s", described.one_line())
-    elif described.logits == "dropped":
-        log.info(
-            "cce_compile: the cross-entropy at %s is fused and the logits the graph returned "
-            "are a 'meta' tensor without data (CCE_ESCAPING_LOGITS=drop): any use of them "
-            "raises",
-            described.location,
-        )
+    else:
+        log.info("%s", described.one_line())
 
 
 def _tell_symbolic_once(described: SiteReport, names: list[str]) -> None:
@@ -133,12 +130,13 @@ def run_pass(graph: Graph) -> list[SiteReport]:
         if rewrite:
             _tell_symbolic_once(described, found.symbolic_constants())
             found.rewrite(graph)
-        elif isinstance(found, Site):
-            log.debug("cce_compile: not rewriting %s: disabled", found.loss.name)
-        _tell_once(described)
+        _tell(described)
         reports.append(described)
+    if reports:
+        logs.site_artifact(reports)
     if any(r.rewritten for r in reports):
         graph.lint()
+        logs.rewritten_graph(graph)
     if reports or not any(n.target is OP for n in graph.nodes):
         # (a graph that holds the op and nothing new went through the pass already: the
         # backend's run, then Inductor's hook under enable())

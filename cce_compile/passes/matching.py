@@ -8,15 +8,11 @@ kind (rewritten by its ``rewrite``) or a ``Rejection`` whose reason says why it 
 
 from __future__ import annotations
 
-import logging
-
 from torch.fx import Graph, Node
 
 from . import plain, safety, tensor_parallel
 from . import predicates as p
 from .verdicts import Rejection, Site
-
-log = logging.getLogger("cce_compile")
 
 
 def find_sites(graph: Graph) -> list[Site | Rejection]:
@@ -25,15 +21,7 @@ def find_sites(graph: Graph) -> list[Site | Rejection]:
     order = safety.node_order(graph)
     for node in graph.nodes:
         if p.is_cross_entropy(node) or p.is_nll_loss(node):
-            result = match_site(node, order)
-            if isinstance(result, Rejection):
-                log.debug(
-                    "cce_compile: not rewriting %s: %s (%s)",
-                    node.name,
-                    result.reason,
-                    result.detail,
-                )
-            found.append(result)
+            found.append(match_site(node, order))
     return found
 
 

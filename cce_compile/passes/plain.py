@@ -19,7 +19,7 @@ from torch.fx import Graph, Node
 from .. import config, policy
 from ..op_signature import FORWARD
 from ..ops import IMPLEMENTATION_VERSION
-from . import escapes, safety
+from . import escapes, placeholder, safety
 from . import predicates as p
 from . import walk as w
 from .emit import (
@@ -34,6 +34,7 @@ from .emit import (
     site_skips_ignored,
     targets_as_rows,
 )
+from .report_types import location
 from .verdicts import DTENSOR, ESCAPES, NO_HEAD, UNSUPPORTED_OPTION, Rejection, Site
 
 aten = torch.ops.aten
@@ -54,7 +55,7 @@ class PlainSite(Site):
     anchor: Node  # the op goes right before it: the loss, or an lse user's earlier consumer
     detach_operands: bool  # the logits carry no gradient (no_grad / detach on the way)
     kept_logits: list[Node]  # escaping, kept alive (CCE_ESCAPING_LOGITS=rewrite)
-    dropped_logits: list[Node]  # returned, replaced by a meta tensor (=drop)
+    dropped_logits: list[Node]  # returned (or their returned casts): a placeholder (=drop)
 
     @property
     def logits_fate(self) -> str:
@@ -199,10 +200,12 @@ def _site(
     users = escapes.classify_users(walk.head, walk.chain, inside, set(walk.z_level))
     found = _Candidate(loss, options, walk, operands, inside, users)
     anchor, lse_shapes = _serve_logsumexps(found, order)
-    rejected = _write_in_region(found, anchor, order) or _escape(found)
+    rejected = _write_in_region(found, anchor, order)
+    dropped = _escape(found)
     if rejected is not None:
         return rejected
-    dropped = users.escaping if config.get().escaping_logits == "drop" else []
+    if isinstance(dropped, Rejection):
+        return dropped
     return PlainSite(
         **w.site_fields(loss, options, walk, operands.hidden, operands.classifier, operands.bias),
         classifier_is_transposed=operands.transposed,
@@ -261,25 +264,25 @@ def _write_in_region(found: _Candidate, anchor: Node, order: dict[Node, int]) ->
     return safety.write_in_region(loss, regions, order)
 
 
-def _escape(found: _Candidate) -> Rejection | None:
-    """Why escaping logits keep the site from being rewritten under the CCE_ESCAPING_LOGITS
-    setting, or None."""
+def _escape(found: _Candidate) -> Rejection | list[Node]:
+    """Under the CCE_ESCAPING_LOGITS setting: why escaping logits keep the site from being
+    rewritten, or the returned nodes a placeholder replaces (``drop``; [] if none)."""
     escaping = found.users.escaping
-    if not escaping:
-        return None
     policy = config.get().escaping_logits
+    if not escaping or policy == "rewrite":
+        return []
     logits = [found.walk.head, *found.walk.chain]
-    returned = escapes.returned_only(escaping, logits, found.inside)
+    forms = escapes.returned_forms(escaping, logits, found.inside)
     training = safety.requires_grad(found.loss)
     droppable = (
-        returned
+        forms is not None
         and training
-        and escapes.shapes_rebuildable(escaping, found.operands.hidden, found.targets)
+        and escapes.shapes_rebuildable(forms, found.operands.hidden, found.targets)
     )
-    if policy == "rewrite" or (policy == "drop" and droppable):
-        return None
-    detail = escapes.escape_detail(escaping, found.inside, policy, training, returned)
-    return Rejection(found.loss, ESCAPES, detail)
+    if policy == "drop" and droppable:
+        return forms
+    detail = escapes.escape_detail(escaping, found.inside, policy, training, forms is not None)
+    return Rejection(found.loss, ESCAPES, detail, quiet=escapes.quiet(policy, training))
 
 
 # --- surgery ---------------------------------------------------------------------------------
@@ -403,21 +406,20 @@ def _op_arguments(emit: Emitter, site: PlainSite, rows: Node) -> tuple:
 
 
 def _drop_returned_logits(graph: Graph, site: PlainSite) -> None:
-    """CCE_ESCAPING_LOGITS=drop: the graph returns, for each of the logits it returned, an
-    empty tensor of their shape and dtype on the 'meta' device. It holds no data, so any use
-    that would read a value (``.item()``, ``.cpu()``, printing numbers, comparing with a real
-    tensor) raises instead of producing a plausible number."""
+    """CCE_ESCAPING_LOGITS=drop: the graph returns, for each of the logits it returned (or
+    each float cast of them it returned), a ``LogitsNotComputed`` placeholder of their shape
+    and dtype: it holds no data, and any read of it raises an error that says why and names
+    the setting that keeps the logits (``placeholder.py``)."""
     output = graph.output_node()
     emit = Emitter(graph, output)
+    where = location(site.loss)
     for node in site.dropped_logits:
         value = p.tensor_value(node)
-        dropped = emit(
-            aten.empty.memory_format,
-            _sizes(emit, value.shape, [site.hidden, site.targets]),
-            dtype=value.dtype,
-            device=torch.device("meta"),
-        )
+        sizes = _sizes(emit, value.shape, [site.hidden, site.targets])
+        dropped = emit(placeholder.OP, sizes, value.dtype, value.device, where)
         output.replace_input_with(node, dropped)
+    logits = [site.head, *site.chain]
+    erase_unused(graph, [c for n in site.dropped_logits for c in escapes.cast_path(n, logits)])
 
 
 def _sizes(emit: Emitter, shape: Any, sources: list[Node]) -> list[Any]:

@@ -68,6 +68,7 @@ class SiteReport:
     saved_bytes: int = 0  # what the rewrite saves of it (logits kept for other users: less)
     logits: str = ""  # rewritten: "gone", "kept" (CCE_ESCAPING_LOGITS=rewrite) or "dropped"
     fix: str = ""  # what to change, when explain() knows better than the reason's usual fix
+    quiet: bool = False  # left alone as asked (an evaluation graph's logits): logged at INFO
 
     @property
     def advice(self) -> str:
@@ -94,7 +95,10 @@ class SiteReport:
             else:
                 memory += ", saved"
                 if self.logits == "dropped":
-                    memory += " (the returned logits are a 'meta' tensor: CCE_ESCAPING_LOGITS=drop)"
+                    memory += (
+                        " (the returned logits are a LogitsNotComputed placeholder, a 'meta' "
+                        "tensor without data: CCE_ESCAPING_LOGITS=drop)"
+                    )
             lines.append(memory)
         if not self.rewritten:
             lines.append(f"    reason: {self.reason}: {self.detail}")
@@ -103,12 +107,23 @@ class SiteReport:
         return "\n".join(lines)
 
     def one_line(self) -> str:
-        """What the pass tells the log once per site it leaves alone."""
-        fix = f" Fix: {self.advice}." if self.advice else ""
+        """What the pass tells the log once per site it leaves alone (a warning unless quiet)."""
+        if self.rewritten:
+            return self._fused_line()
+        fix = f" Fix: {self.advice}." if self.advice and not self.quiet else ""
         return (
             f"cce_compile: left the cross-entropy at {self.location} alone "
             f"({self.reason}): {self.detail}.{fix}"
         )
+
+    def _fused_line(self) -> str:
+        size = f" ({self.rows} x {self.vocab} logits)" if self.rows is not None else ""
+        fate = {
+            "kept": "; the logits are kept for their other users (CCE_ESCAPING_LOGITS=rewrite)",
+            "dropped": "; the graph returns a LogitsNotComputed placeholder in place of its "
+            "logits (CCE_ESCAPING_LOGITS=drop): reading it raises",
+        }.get(self.logits, "")
+        return f"cce_compile: fused the cross-entropy at {self.location}{size}{fate}"
 
 
 def _mib(count: int | None) -> str:
@@ -182,7 +197,7 @@ def is_library_frame(frame: str) -> bool:
 _STDLIB = sysconfig.get_paths()["stdlib"]
 
 
-def _location(node) -> str:
+def location(node) -> str:
     """Where the user wrote the call: the innermost frame of their own code; in a compiled
     library model (no user frame), the innermost model ``forward`` (the line that calls the
     loss), not the loss helper or a decorator."""
@@ -200,9 +215,9 @@ def _location(node) -> str:
 def describe(found: Site | Rejection, rewritten: bool) -> SiteReport:
     """A SiteReport for a site (rewritten, or matched but kept by CCE_DISABLE; a
     TensorParallelSite's vocab is the classes per rank) or a Rejection."""
-    result = SiteReport(found.loss.name, _location(found.loss), rewritten)
+    result = SiteReport(found.loss.name, location(found.loss), rewritten)
     if isinstance(found, Rejection):
-        result.reason, result.detail = found.reason, found.detail
+        result.reason, result.detail, result.quiet = found.reason, found.detail, found.quiet
     elif not rewritten:
         result.reason, result.detail = DISABLED, DISABLED_DETAIL
     if isinstance(found, Site):

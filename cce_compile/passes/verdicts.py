@@ -34,6 +34,7 @@ class Rejection:
     loss: Node
     reason: str
     detail: str
+    quiet: bool = False  # left alone as the user asked (an evaluation graph's logits): INFO
 
 
 @dataclasses.dataclass
@@ -73,7 +74,7 @@ class Site:
     @property
     def logits_fate(self) -> str:
         """What becomes of the logits once rewritten: "gone", "kept" (for other users) or
-        "dropped" (a returned meta tensor in their place)."""
+        "dropped" (a LogitsNotComputed placeholder returned in their place)."""
         return "gone"
 
     def symbolic_constants(self) -> list[str]:

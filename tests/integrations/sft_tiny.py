@@ -63,10 +63,16 @@ def model(vocab_size: int):
 
 
 def train(
-    *, packing: bool, torch_compile: bool = False, compile_backend: str = "inductor", steps: int = 3
+    *,
+    packing: bool,
+    torch_compile: bool = False,
+    compile_backend: str = "inductor",
+    steps: int = 3,
+    model_backend=None,
 ) -> list[dict]:
     """SFTTrainer, float32 (``bf16=False``: SFTConfig's default is bf16 autocast), completion
-    loss only; per logged step the values in LOGGED."""
+    loss only; per logged step the values in LOGGED. ``model_backend``: the model is compiled
+    with it (``model.compile(backend=...)``) before SFTTrainer gets it."""
     from trl import SFTConfig, SFTTrainer
 
     tok = tokenizer()
@@ -92,9 +98,10 @@ def train(
             torch_compile=torch_compile,
             torch_compile_backend=compile_backend if torch_compile else None,
         )
-        trainer = SFTTrainer(
-            model=model(len(tok)), args=args, train_dataset=dataset(), processing_class=tok
-        )
+        built = model(len(tok))
+        if model_backend is not None:
+            built.compile(backend=model_backend)
+        trainer = SFTTrainer(model=built, args=args, train_dataset=dataset(), processing_class=tok)
         trainer.train()
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     return [{key: float(entry[key]) for key in LOGGED} for entry in logged]

@@ -269,6 +269,35 @@ def test_sft_trainer_logs_trls_values_with_our_op(trl_runs, op_forwards, packing
     _assert_same_logs(ours, trls)
 
 
+def test_sft_trainer_with_a_model_compiled_by_the_pass_needs_no_setting(trl_runs, caplog):
+    """Without install(): TRL 1.16's SFTTrainer takes its loss and its metrics (entropy, token
+    accuracy) from its fused LM head, which builds no logits, so the compiled graph holds no
+    cross-entropy. The default CCE_ESCAPING_LOGITS=drop has nothing to drop and nothing is
+    said at WARNING; the logged values are TRL's own."""
+    import logging
+
+    from torch._dynamo.backends.debugging import aot_eager
+
+    import cce_compile
+    from cce_compile.passes.graph_pass import run_on_module
+
+    def cce_eager(gm, example_inputs):
+        run_on_module(gm)
+        return aot_eager(gm, example_inputs)
+
+    trls = trl_runs(packing=False)
+    torch._dynamo.reset()
+    with cce_compile.watch() as report, caplog.at_level(logging.WARNING, logger="cce_compile"):
+        ours = sft_tiny.train(packing=False, model_backend=cce_eager)
+    torch._dynamo.reset()
+    assert report.graphs >= 1 and report.sites == [], str(report)
+    assert not [r for r in caplog.records if r.name.startswith("cce_compile")]
+    assert len(ours) == len(trls) == STEPS
+    for got, want in zip(ours, trls):
+        for key in sft_tiny.LOGGED:  # AOTAutograd's decompositions round a little differently
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (key, got, want)
+
+
 @pytest.mark.slow
 def test_sft_trainer_torch_compile_logs_trls_values_with_our_op(trl_runs, op_forwards):
     """Packed batches change length every step: compiled with dynamic shapes from the first

@@ -2,8 +2,9 @@
 frame Dynamo is told to skip), so the head and the loss meet only inside the wrapped module.
 
 A loss computed in the wrapped module's forward (Hugging Face's ``model(x, labels=y)``) is
-rewritten, with CCE_ESCAPING_LOGITS=drop when the module also returns its logits; a loss
-computed outside DDP is left alone, and explain() says what cut the graph and what to do.
+rewritten, with CCE_ESCAPING_LOGITS=drop (the default) when the module also returns its
+logits; a loss computed outside DDP is left alone, and explain() says what cut the graph and
+what to do.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import torch.nn.functional as F
 from harness import check
 
 import cce_compile
-from cce_compile import config
 
 V = 64
 
@@ -35,11 +35,14 @@ class TinyLM(nn.Module):
 
 
 @pytest.fixture
-def ddp_model():
+def ddp_model(request):
+    """DDP over TinyLM; ``find_unused_parameters`` from the test's indirect parameter."""
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         torch.manual_seed(0)
-        yield nn.parallel.DistributedDataParallel(TinyLM())
+        model = TinyLM()
+        unused = getattr(request, "param", False)
+        yield nn.parallel.DistributedDataParallel(model, find_unused_parameters=unused)
     finally:
         dist.destroy_process_group()
 
@@ -49,14 +52,19 @@ def batch():
     return torch.randn(2, 6, 16, generator=gen), torch.randint(0, V, (2, 6), generator=gen)
 
 
+@pytest.mark.parametrize(
+    "ddp_model", [False, True], ids=["used-parameters", "find-unused-parameters"], indirect=True
+)
 def test_loss_inside_the_wrapped_module_is_rewritten(ddp_model):
-    with config.override(escaping_logits="drop"):
-        outcome = check(
-            lambda x, y: ddp_model(x, labels=y)[0],
-            batch(),
-            fullgraph=False,
-            parameters=ddp_model.parameters(),
-        )
+    """find_unused_parameters=True (the Trainer's default for Hugging Face models) passes every
+    output through DDP's _DDPSink, which clones it: the logits' placeholder too."""
+    outcome = check(  # the module also returns its logits: a placeholder (the default)
+        lambda x, y: ddp_model(x, labels=y),
+        batch(),
+        fullgraph=False,
+        parameters=ddp_model.parameters(),
+        dropped_logits=True,
+    )
     assert outcome.rewritten == 1 and outcome.gradients == 3
 
 

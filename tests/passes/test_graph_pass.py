@@ -168,7 +168,10 @@ def test_counters_and_debug_log_for_rejections(caplog, capsys):
         logits = F.linear(x, w)
         return F.cross_entropy(logits.view(-1, 11), y.view(-1)), logits
 
-    with caplog.at_level(logging.DEBUG, logger="cce_compile"):
+    with (
+        config.override(escaping_logits="keep"),
+        caplog.at_level(logging.DEBUG, logger="cce_compile"),
+    ):
         outcome = check(returns_logits, small_inputs(), backward_all=True)
     assert outcome.skipped == {"logits_escape": 1}
     assert any("logits_escape" in r.getMessage() for r in caplog.records)

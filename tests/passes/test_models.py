@@ -2,8 +2,9 @@
 
 The recommended recipe compiles the training step that turns inputs into the loss, so the
 logits die inside the graph: ``step = lambda ids, labels: model(ids, labels=labels).loss``.
-Compiling the model itself returns the logits, which the pass leaves alone (and says why)
-unless CCE_ESCAPING_LOGITS=drop. ``hf_zoo.ZOO`` lists the families run in both recipes.
+Compiling the model itself returns the logits: the default CCE_ESCAPING_LOGITS=drop fuses the
+training loss and returns a placeholder for them; =keep leaves the site alone (and says why).
+``hf_zoo.ZOO`` lists the families run in both recipes.
 """
 
 from __future__ import annotations
@@ -42,13 +43,12 @@ def test_hugging_face_step_is_rewritten(model_type):
 
 @pytest.mark.parametrize("model_type", hf_zoo.ZOO)
 def test_hugging_face_whole_model_with_dropped_logits(model_type):
-    """torch.compile(model) returns the logits: with CCE_ESCAPING_LOGITS=drop the loss is
-    fused and the logits come back as a data-less 'meta' tensor."""
+    """torch.compile(model) returns the logits: by default (CCE_ESCAPING_LOGITS=drop) the
+    loss is fused and the logits come back as a LogitsNotComputed placeholder without data."""
     model = hf_zoo.tiny(model_type)
-    with config.override(escaping_logits="drop"):
-        outcome = check(
-            hf_zoo.whole(model), batch(), parameters=model.parameters(), dropped_logits=True
-        )
+    outcome = check(
+        hf_zoo.whole(model), batch(), parameters=model.parameters(), dropped_logits=True
+    )
     assert outcome.rewritten == 1 and outcome.has_op
     assert outcome.gradients == len(list(model.parameters()))
 
@@ -64,9 +64,12 @@ def test_hugging_face_num_items_in_batch():
     assert outcome.rewritten == 1
 
 
-def test_compiling_the_model_itself_leaves_escaping_logits_alone():
+def test_compiling_the_model_itself_under_keep_leaves_escaping_logits_alone():
     model = hf_zoo.tiny("llama")
-    outcome = check(hf_zoo.whole(model), batch(), backward_all=True, parameters=model.parameters())
+    with config.override(escaping_logits="keep"):
+        outcome = check(
+            hf_zoo.whole(model), batch(), backward_all=True, parameters=model.parameters()
+        )
     assert outcome.rewritten == 0 and outcome.skipped == {"logits_escape": 1}
 
 

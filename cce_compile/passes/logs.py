@@ -1,0 +1,90 @@
+"""The pass's log under torch's logging controls, and its tlparse artifacts.
+
+* ``TORCH_LOGS=cce`` (in code: ``torch._logging.set_logs(modules={"cce": logging.INFO})``):
+  every site of every graph the pass runs on, rewritten or not, and why (INFO on the
+  ``cce_compile`` logger).
+  ``TORCH_LOGS=+cce``: also each rewritten graph (DEBUG). ``cce`` is registered with torch's
+  ``register_log`` when the pass is imported; named in ``TORCH_LOGS`` at start-up, it is
+  registered by ``config.py`` (imported at interpreter start by the start-up hook) as soon as
+  ``torch._logging`` loads, before ``import torch`` reads ``TORCH_LOGS`` and refuses names it
+  does not know. ``TORCH_LOGS=cce_compile`` (the logger's module name) needs neither.
+* ``TORCH_TRACE`` / tlparse: each pass run that finds a site leaves a structured artifact
+  ``cce_compile_sites`` (JSON, one entry per site), and one that rewrites leaves
+  ``cce_compile_rewritten_graph`` (the graph's code after the rewrite), as Inductor's passes
+  leave theirs.
+
+Without these, the ``cce_compile`` logger says only what needs attention: a site left alone
+that the user did not ask for, once per site, as a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+
+ALIAS = "cce"
+LOGGER = "cce_compile"
+_TORCH_LOGGING = "torch._logging"
+
+log = logging.getLogger(LOGGER)
+
+
+def register() -> None:
+    """Make ``cce`` a name of torch's logging controls (``TORCH_LOGS``, ``set_logs``)."""
+    sys.modules[_TORCH_LOGGING + "._internal"].register_log(ALIAS, LOGGER)
+
+
+class _AfterTorchLogging(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; registers ``cce`` right after ``torch._logging`` loads, which is
+    before ``import torch`` parses ``TORCH_LOGS``."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _TORCH_LOGGING:
+            return None
+        sys.meta_path.remove(self)  # one shot, and no recursion below
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        original_exec = spec.loader.exec_module
+
+        def exec_module(module):
+            original_exec(module)
+            register()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def register_before_torch() -> None:
+    """Register ``cce`` when torch loads (now, if it has): for ``TORCH_LOGS=cce`` at start-up."""
+    if _TORCH_LOGGING in sys.modules:
+        register()
+    elif not any(isinstance(f, _AfterTorchLogging) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterTorchLogging())
+
+
+def rewritten_graph(graph) -> None:
+    """The graph after the rewrite: DEBUG (``TORCH_LOGS=+cce``) and a tlparse artifact."""
+    from torch._logging import LazyString, trace_structured
+
+    code = LazyString(lambda: graph.python_code(root_module="self").src)
+    log.debug("cce_compile: the graph after the rewrite:%s", code)
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": "cce_compile_rewritten_graph", "encoding": "string"},
+        payload_fn=lambda: str(code),
+    )
+
+
+def site_artifact(reports: list) -> None:
+    """The sites of one graph as a tlparse artifact (JSON)."""
+    from torch._logging import trace_structured
+
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": "cce_compile_sites", "encoding": "json"},
+        payload_fn=lambda: [dataclasses.asdict(r) for r in reports],
+    )
