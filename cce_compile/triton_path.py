@@ -219,7 +219,7 @@ def logit_stats(
             ignore_index=spec.ignore_index,
             logit_scale=spec.logit_scale,
             softcap=spec.softcap,
-            skip_ignored=not all_rows,
+            skip_ignored_tiles=not all_rows,
             needs_wsum=spec.needs_wsum,
             config=config,
             col_start=col_start + start,

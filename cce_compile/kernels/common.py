@@ -113,6 +113,14 @@ def check_operands(hidden, classifier, targets, bias, class_weights, shift):
     )
 
 
+def targets_can_equal(targets: torch.Tensor, value: int) -> bool:
+    """Can an element of ``targets`` equal ``value``? Not where the value is outside the
+    dtype's range: a kernel's comparison must then find no match (PyTorch compares as int64),
+    whatever a narrower comparison would wrap it to."""
+    info = torch.iinfo(targets.dtype)
+    return info.min <= value <= info.max
+
+
 def tma_ok(tensor: torch.Tensor, row_stride: int) -> bool:
     """Can a 2-D TMA descriptor with this row stride address ``tensor``'s rows?"""
     elem = tensor.element_size()

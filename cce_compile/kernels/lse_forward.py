@@ -18,7 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..loss_math import can_be_ignored
 from .common import (
     TileConfig,
     capped_logits_tile,
@@ -28,6 +27,7 @@ from .common import (
     launch_grid,
     operand_args,
     row_layout,
+    targets_can_equal,
     tile_rows,
 )
 
@@ -197,7 +197,7 @@ def lse_forward(
     ignore_index: int,
     logit_scale: float,
     softcap: float,
-    skip_ignored: bool,
+    skip_ignored_tiles: bool,
     needs_wsum: bool,
     config: TileConfig | None = None,
     col_start: int = 0,
@@ -262,7 +262,7 @@ def lse_forward(
     grid = launch_grid(layout.n_positions, vocab, config, config.tiles_per_program)
     # An ignore_index that no target can equal ignores no row (loss_math.valid_rows): no tile
     # may be skipped then, whatever the kernel's comparison of targets with it would give.
-    skip_ignored = skip_ignored and can_be_ignored(ignore_index, targets.dtype)
+    skip_ignored_tiles = skip_ignored_tiles and targets_can_equal(targets, ignore_index)
     _lse_forward_kernel[grid](
         hidden_arg,
         classifier_arg,
@@ -293,7 +293,7 @@ def lse_forward(
         NEEDS_WSUM=needs_wsum,
         NEEDS_MEAN_Z=mean_z_out is not None,
         NEEDS_ARGMAX=argmax_out is not None,
-        SKIP_IGNORED=skip_ignored,
+        SKIP_IGNORED=skip_ignored_tiles,
         TILES=config.tiles_per_program,
         **gemm_launch_options(
             config, hidden, use_tma=use_tma, has_bias=bias is not None, softcap=softcap

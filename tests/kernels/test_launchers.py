@@ -51,7 +51,7 @@ def test_lse_forward_partials(softcap):
         ignore_index=-100,
         logit_scale=0.7,
         softcap=softcap,
-        skip_ignored=False,
+        skip_ignored_tiles=False,
         needs_wsum=True,
         config=small_config(),
     )
@@ -95,7 +95,7 @@ def test_lse_forward_skips_only_tiles_of_ignored_rows_of_int32_targets(ignore_in
         ignore_index=ignore_index,
         logit_scale=1.0,
         softcap=0.0,
-        skip_ignored=True,
+        skip_ignored_tiles=True,
         needs_wsum=False,
         config=small_config(),
     )
@@ -224,7 +224,7 @@ def test_launchers_check_shapes():
         ignore_index=-100,
         logit_scale=1.0,
         softcap=0.0,
-        skip_ignored=False,
+        skip_ignored_tiles=False,
         needs_wsum=False,
     )
     with pytest.raises(ValueError, match="classifier"):
