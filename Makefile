@@ -10,26 +10,38 @@ DEMO_CACHE ?= $(HOME)/.cache/cce_compile
 .PHONY: install test demo lint clean
 
 # Each step says what it does: the torch download alone can take minutes, so pip shows its
-# progress bar for it (and for the rest) instead of running quietly.
-$(VENV)/.installed: pyproject.toml
-	@echo "[1/4] creating $(VENV)"
+# progress bar for it (and for the rest) instead of running quietly. One stamp per layer: the
+# venv with torch, then cce_compile with each target's extras, so `make demo` installs only what
+# the demo needs and a later `make test` adds the test tools. An editable install copies the
+# start-up hook (the .pth file) into the venv, so a changed hook reinstalls too.
+$(VENV)/.installed-torch:
+	@echo "[1/3] creating $(VENV)"
 	$(PYTHON) -m venv $(VENV)
-	@echo "[2/4] upgrading pip"
+	@echo "[2/3] upgrading pip"
 	$(PY) -m pip install -q --upgrade pip
-	@echo "[3/4] installing torch (a large download: ~1-3 minutes; progress below)"
+	@echo "[3/3] installing torch (a large download: ~1-3 minutes; progress below)"
 	$(PY) -m pip install --progress-bar on "torch==2.13.0" || $(PY) -m pip install --progress-bar on "torch>=2.6"
-	@echo "[4/4] installing cce_compile and its test/demo/dev extras"
+	touch $@
+
+$(VENV)/.installed-demo: $(VENV)/.installed-torch pyproject.toml cce_compile_autoenable.pth
+	@echo "installing cce_compile and the demo's extra (matplotlib)"
+	$(PY) -m pip install --progress-bar on -e ".[demo]"
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed-torch pyproject.toml cce_compile_autoenable.pth
+	@echo "installing cce_compile with its test, demo and dev extras (transformers, peft, trl, ...)"
 	$(PY) -m pip install --progress-bar on -e ".[test,demo,dev]"
 	@echo "installed into $(VENV)"
 	touch $@
 
-install: $(VENV)/.installed
+# Everything: what `make test` and `make lint` use.
+install: $(VENV)/.installed-test
 
 test: install
 	$(PY) -m ruff check cce_compile tests bench examples
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-demo: install
+demo: $(VENV)/.installed-demo
 	$(PY) -m cce_compile.demo $(DEMO_ARGS)
 
 lint: install

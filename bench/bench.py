@@ -173,19 +173,20 @@ def method_factories():
 
     methods["cce_auto_skip_any_size"] = lambda: auto_skip_at_any_size
 
-    def auto_with_fast_budget(h, c, t, chunk_rows):
-        """auto under the smallest budget that admits fast mode with ``chunk_rows``-row chunks (its
-        float32 V x D buffer, the chunk, the rounded hidden): the memory/speed point between
-        lean and explicit fast (4096-row chunks)."""
+    def auto_with_fast_rows(h, c, t, chunk_rows):
+        """auto under the smallest budget that admits fast mode with ``chunk_rows``-row chunks
+        (float32 logits and d hidden per row, and the rounded hidden under AMP): a point on fast
+        mode's memory/speed curve (policy.py)."""
         vocab, dim = c.shape
         rows = h.numel() // dim
-        budget = vocab * dim * 4 + chunk_rows * (vocab + dim) * 4 + rows * dim * 2
+        rounded = rows * dim * 2 if torch.is_autocast_enabled("cuda") else 0
+        budget = chunk_rows * (vocab + dim) * 4 + rounded
         with cce_compile.config.override(memory_budget_mb=budget // 2**20 + 1):
             return cce_compile.linear_cross_entropy(h, c, t)
 
-    for chunk_rows in (1024, 2048):
-        methods[f"cce_fast_budget{chunk_rows}"] = lambda n=chunk_rows: (
-            lambda h, c, t: auto_with_fast_budget(h, c, t, n)
+    for chunk_rows in (512, 1024, 2048, 4096):
+        methods[f"cce_fast_rows{chunk_rows}"] = lambda n=chunk_rows: (
+            lambda h, c, t: auto_with_fast_rows(h, c, t, n)
         )
 
     def apple(filter_eps):

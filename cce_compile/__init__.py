@@ -7,7 +7,7 @@ Public surface::
     cce_compile.linear_cross_entropy(hidden, classifier, targets, ...)
     cce_compile.explain(fn_or_model, *args, **kwargs)
     with cce_compile.watch() as report: ...              # what the compiles in a block did
-    cce_compile.config                                   # settings (see README)
+    cce_compile.config                                   # settings (docs/settings.md)
 
 Attributes load lazily, so ``import cce_compile`` (and the CCE_COMPILE=1 start-up hook) does
 not import torch until something is used.
@@ -16,6 +16,7 @@ not import torch until something is used.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING
 
 from . import config
@@ -46,6 +47,32 @@ if TYPE_CHECKING:
     from .functional import linear_cross_entropy
     from .passes.install import disable, enable
     from .passes.report import explain, watch
+
+
+def _end_in_one_line(error: config.SettingsError) -> None:
+    """A bad setting in the environment that nothing catches ends the program as its one line
+    (``cce_compile.config.SettingsError: CCE_MODE='turbo' is not one of ...``), whatever route
+    raised it: ``backend="cce"`` (through Dynamo's registry and importlib), ``enable()``, the op.
+    The frames would only show where the settings were first used, not where the value came
+    from. Only that error object is shortened: every other exception reaches the previous hook.
+    """
+    previous = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        if value is not error:
+            return previous(kind, value, traceback)
+        import traceback as tb
+
+        sys.stderr.write("".join(tb.format_exception_only(kind, value)))
+
+    sys.excepthook = excepthook
+
+
+try:  # the environment is read once, at the import of config
+    config.get()
+except config.SettingsError as _error:
+    _end_in_one_line(_error)
+    del _error
 
 
 def __getattr__(name: str):

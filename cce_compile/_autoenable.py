@@ -1,8 +1,10 @@
 """Start-up hook behind ``CCE_COMPILE=1``: enable the graph pass when torch is imported.
 
-``cce_compile_autoenable.pth`` (installed into site-packages) imports this module at every
-interpreter start. It must stay cheap and harmless: it reads the settings (no torch import) and,
-only when CCE_COMPILE is set, installs a finder that runs :func:`cce_compile.enable` right after
+``cce_compile_autoenable.pth`` (installed into site-packages) imports this module at
+interpreter start, and only when a ``CCE_*`` variable is set: without one, no process imports
+cce_compile at start-up. It must stay cheap and harmless: it reads the settings (no torch
+import; a misspelt ``CCE_*`` name is reported then) and, only when CCE_COMPILE asks for the hook
+(CCE_COMPILE=0 does not), installs a finder that runs :func:`cce_compile.enable` right after
 ``import torch`` finishes, so a script that never imports cce_compile still gets the pass for
 plain ``torch.compile(model)``. It never prints a traceback: a bad setting or a failure to
 enable is one line on stderr (only when CCE_COMPILE asks for the hook), and the script runs on.

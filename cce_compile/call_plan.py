@@ -83,6 +83,7 @@ def problem_of(hidden, classifier, shift: int, compute_dtype) -> policy.Problem:
         logit_bytes=dtype.itemsize,
         rounds_inputs=compute_dtype is not None
         and any(d != compute_dtype for d in (hidden.dtype, classifier.dtype)),
+        device_type=hidden.device.type,
     )
 
 

@@ -35,6 +35,7 @@ import dataclasses
 import torch
 
 from . import policy
+from .loss_math import valid_rows
 from .op_signature import Bound
 
 
@@ -64,7 +65,7 @@ def select(args: Bound) -> Selection | None:
     docstring); None without ``skip_ignored``. Learning them is a host synchronisation."""
     if not args.skip_ignored:
         return None
-    valid = args.targets[:, args.shift :].reshape(-1) != args.ignore_index
+    valid = valid_rows(args.targets[:, args.shift :].reshape(-1), args.ignore_index)
     if args.lse_all_rows or _capturing(valid.device) or not _pays(args, valid.numel()):
         return Selection(torch.arange(valid.numel(), device=valid.device), valid.numel())
     return Selection(valid.nonzero().squeeze(1), valid.numel())

@@ -16,8 +16,10 @@ A bad setting in the environment (``CCE_MODE=turbo``) is raised when this module
 when ``torch.compile(..., backend="cce")`` looks the backend up, or when the code names
 ``cce_compile.backend``. Raised from inside the backend, Dynamo would wrap it in its
 ``BackendCompilerFailed`` and bury its one line under some 40 lines of Dynamo's frames and
-notes; here the traceback ends with it. The environment is read once and ``config.update``
-checks what it is given, so the settings cannot go bad after this point.
+notes; raised here, nothing wraps it, and if nothing catches it the package's excepthook
+(``cce_compile/__init__.py``) prints it as its one line, without the ~25 lines of frames through
+torch.compile, Dynamo's registry and importlib. The environment is read once and
+``config.update`` checks what it is given, so the settings cannot go bad after this point.
 """
 
 from __future__ import annotations

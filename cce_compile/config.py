@@ -47,7 +47,7 @@ class Settings:
     """CCE_COMPILE: install the graph pass for plain torch.compile at `import torch`."""
     mode: str = _rewrite("CCE_MODE", "auto")
     """CCE_MODE: 'lean' (recompute in backward), 'fast' (gradients during forward), 'auto'."""
-    memory_fraction: float = _rewrite("CCE_MEMORY_FRACTION", 0.125)
+    memory_fraction: float = _rewrite("CCE_MEMORY_FRACTION", 0.2)
     """CCE_MEMORY_FRACTION: extra memory the loss may use, as a fraction of the logits it
     replaces (N x V x the head's dtype size): bounds every chunk and slab, and auto picks the
     fastest mode that fits (see policy.py)."""

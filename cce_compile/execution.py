@@ -143,33 +143,34 @@ def _filtered(args: Bound, spec: LossSpec) -> bool:
 
 
 def backward(args: Bound) -> Gradients:
-    """Gradients in the backward op's needs, in the inputs' dtypes (None where not needed).
+    """Gradients in the backward op's needs, in the inputs' dtypes (None where not needed),
+    recomputed on the rows the forward computed on. (Fast mode's forward already holds the
+    loss's gradients: the autograd formula scales those itself, ``scale_gradient_``, and asks
+    this op only for what they do not cover, such as the returned lse's part.)"""
+    return recompute(args, needs_of(args), _lean_gradients)
 
-    Fast mode's buffers hold the loss's gradients for a unit upstream gradient: they are
-    scaled, and only the lse's part (if any) is recomputed. Needs they do not cover (a
-    gradient the forward was not asked for) are recomputed in full, on the rows the forward
-    computed on.
-    """
-    needs = needs_of(args)
-    impl = implementation_for(args.hidden.device)
-    buffers = (args.fast_grad_hidden, args.fast_grad_classifier, args.fast_grad_bias)
-    served = Needs(*(b is not None for b in buffers))
-    grads: list[torch.Tensor | None] = [None, None, None]
-    grad_loss = args.grad_loss
-    inputs = (args.hidden, args.classifier, args.bias)
-    with float32_math(args.hidden.device):
-        if grad_loss is not None and served.any and not needs.without(served).any:
-            wanted = (needs.hidden, needs.classifier, needs.bias)
-            for i, (buffer, like) in enumerate(zip(buffers, inputs)):
-                if buffer is not None and wanted[i]:
-                    grads[i] = impl.scale_to(buffer, grad_loss, like.dtype)
-            grad_loss = None  # consumed
-        if grad_loss is not None or args.grad_lse is not None:
-            recomputed = recompute(args.replace(grad_loss=grad_loss), needs, _lean_gradients)
-            for i, extra in enumerate(recomputed):
-                if extra is not None:
-                    grads[i] = extra if grads[i] is None else grads[i] + extra
-    return grads[0], grads[1], grads[2]
+
+def scale_gradient_(gradient: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+    """``gradient *= grad_loss`` in place (fast mode's unit-upstream gradient becoming the
+    gradient), with float32 math and one rounding (a bf16 buffer is not multiplied by a
+    bf16-rounded scale). ``gradient`` is a saved tensor of the op's autograd formula.
+
+    Eager, it is scaled and handed out as ``.data``: the same storage under a version counter
+    of its own, so neither this scaling nor what autograd, hooks or the user later do to it in
+    place (``.grad`` accumulation, ``zero_()``) moves the saved tensor's version, which every
+    later backward of a retained graph checks when it unpacks. The formula hands each buffer
+    out once and recomputes after that (``ops._take_fast_gradients``): no later backward reads
+    its values. Traced (torch.compile's fake and
+    functional tensors), that Python runs once, so the product is out of place: Inductor
+    computes it in float32 and writes it over the saved buffer only where AOTAutograd donates
+    that buffer to the backward (``donated_buffer``, which PyTorch refuses with a retained
+    graph). An in-place ``mul_`` there would be a mutation of the saved tensor that every
+    later backward of a retained graph reads."""
+    if type(gradient) is not torch.Tensor:
+        return gradient * grad_loss
+    handed_out = gradient.data  # its own version counter: the saved tensor's never moves
+    implementation_for(gradient.device).scale_(handed_out, grad_loss)
+    return handed_out
 
 
 def recompute(args: Bound, needs: Needs, gradients_rows: GradientRows) -> Gradients:

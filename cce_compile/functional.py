@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import operator
 
 import torch
 from torch import Tensor
@@ -111,11 +112,25 @@ def _require_real(name: str, value) -> None:
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
 
 
+def as_ignore_index(value) -> int:
+    """``ignore_index`` as a Python int, from what F.cross_entropy takes: what
+    ``operator.index`` reads (an int, a numpy integer, a one-element integer tensor) in int64's
+    range, but no bool. The op and its masks then see one exact value (loss_math.valid_rows)."""
+    if isinstance(value, bool) or (isinstance(value, Tensor) and value.dtype == torch.bool):
+        kind = "a bool tensor" if isinstance(value, Tensor) else "bool"
+        raise TypeError(f"ignore_index must be an int, got {kind}")
+    try:
+        index = operator.index(value)
+    except TypeError:
+        raise TypeError(f"ignore_index must be an int, got {type(value).__name__}") from None
+    if not -(2**63) <= index < 2**63:
+        raise ValueError(f"ignore_index must fit in int64 (as F.cross_entropy's), got {index}")
+    return index
+
+
 def _validate_options(
-    hidden, ignore_index, reduction, label_smoothing, softcap, logit_scale, shift, z_loss, mode
+    hidden, reduction, label_smoothing, softcap, logit_scale, shift, z_loss, mode
 ) -> None:
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     _require_real("label_smoothing", label_smoothing)
@@ -280,7 +295,9 @@ def linear_cross_entropy(
             their gradients come back in their own dtypes; the loss is float32 either way.
         targets: (...) int64 or int32 class indices, hidden's leading shape.
         bias: optional (V,) bias of the head.
-        ignore_index: targets equal to it contribute nothing.
+        ignore_index: targets equal to it (compared as int64, as PyTorch does, whatever the
+            targets' dtype) contribute nothing. An int, a numpy integer or a one-element
+            integer tensor (a host sync on a GPU), as F.cross_entropy takes.
         reduction: 'mean' (over non-ignored rows; class-weighted with class_weights; nan when
             all rows are ignored), 'sum' or 'none'.
         label_smoothing: in [0, 1], as F.cross_entropy defines it.
@@ -316,9 +333,8 @@ def linear_cross_entropy(
         in this order, the entropy and the argmax where asked (same shape).
     """
     _validate_tensors(hidden, classifier, targets, bias, class_weights)
-    _validate_options(
-        hidden, ignore_index, reduction, label_smoothing, softcap, logit_scale, shift, z_loss, mode
-    )
+    ignore_index = as_ignore_index(ignore_index)
+    _validate_options(hidden, reduction, label_smoothing, softcap, logit_scale, shift, z_loss, mode)
     _validate_grad_filter(grad_filter, mode, label_smoothing, softcap)
     # Under autocast F.linear rounds its inputs to the autocast dtype: the op does the same
     # inside, and returns gradients in the inputs' own dtypes (float32 weights keep float32

@@ -41,9 +41,10 @@ class Needs:
 class ForwardOut:
     loss: torch.Tensor  # float32: a scalar, or (N,) for reduction 'none'
     lse: torch.Tensor  # (N,) float32
-    grad_hidden: torch.Tensor | None = None  # fast mode: hidden's dtype, (B, T, D)
-    grad_classifier: torch.Tensor | None = None  # fast mode: float32 accumulator (V, D)
-    grad_bias: torch.Tensor | None = None  # fast mode: float32 accumulator (V,)
+    # Fast mode, for a unit upstream gradient, each in its input's dtype: (B, T, D), (V, D), (V,)
+    grad_hidden: torch.Tensor | None = None
+    grad_classifier: torch.Tensor | None = None
+    grad_bias: torch.Tensor | None = None
     keep_blocks: torch.Tensor | None = None  # gradient filtering: (N, blocks) uint8
     row_index: torch.Tensor | None = None  # the rows computed on (compaction.py), int64
     entropy: torch.Tensor | None = None  # (N,) float32 with ``entropy``: lse - sum_j p_j z_j
@@ -69,8 +70,8 @@ class RowStats:
 class Implementation(Protocol):
     """What an implementation provides: the lean path's two halves (``execution`` builds the
     loss and the backward from them with ``loss_math``), fast mode's fused forward, and one
-    scaling pass. ``compute_dtype``: the dtype the head's operands are rounded to before the
-    GEMMs (None: their own, which then agree)."""
+    in-place scaling pass. ``compute_dtype``: the dtype the head's operands are rounded to
+    before the GEMMs (None: their own, which then agree)."""
 
     def logit_stats(
         self,
@@ -140,5 +141,6 @@ class Implementation(Protocol):
         of the loss, from the same chunks of logits (and each row's entropy and argmax where
         asked, every row's: the caller masks ignored ones)."""
 
-    def scale_to(self, x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """(x * scale).to(dtype) with one rounding; ``scale`` is a 0-d tensor."""
+    def scale_(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x *= scale in place with float32 math and one rounding; ``scale`` is a 0-d
+        tensor."""

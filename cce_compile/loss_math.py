@@ -108,12 +108,39 @@ class RowTargets:
         )
 
 
+# Each integer dtype's range, looked up rather than asked of torch.iinfo on each call (the
+# op takes int64 and int32 targets; the graph pass may hand it others).
+_INT_NAMES = ("uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
+_INT_RANGES = {
+    dtype: (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+    for dtype in (getattr(torch, name, None) for name in _INT_NAMES)
+    if dtype is not None
+}
+
+
+def can_be_ignored(ignore_index: int, dtype: torch.dtype) -> bool:
+    """Can a target of ``dtype`` equal ``ignore_index``? PyTorch compares them as int64; a
+    tensor compared with a Python int casts the int to the tensor's dtype instead, wrapping
+    (int32 5 == 2**32 + 5), so an ignore_index outside the dtype's range must ignore no row.
+    The kernels' launchers ask this too, to skip no tile then."""
+    low, high = _INT_RANGES[dtype]
+    return low <= ignore_index <= high
+
+
+def valid_rows(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """bool, per target: not ``ignore_index``, as PyTorch decides it for any target dtype. The
+    one place the op tells ignored rows (loss, gradients, compaction); no int64 copy."""
+    if not can_be_ignored(ignore_index, targets.dtype):
+        return torch.ones_like(targets, dtype=torch.bool)
+    return targets != ignore_index
+
+
 def row_targets(
     targets: torch.Tensor, class_weights: torch.Tensor | None, spec: LossSpec, vocab: int
 ) -> RowTargets:
     """Align ``targets`` (B, T) with the rows (B, T - shift), flatten, and look up weights."""
     rows = targets[:, spec.shift :].reshape(-1)
-    valid = rows != spec.ignore_index
+    valid = valid_rows(rows, spec.ignore_index)
     in_range = (rows >= 0) & (rows < vocab)
     safe = torch.where(in_range, rows, 0).long()
     if class_weights is None:

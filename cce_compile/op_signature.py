@@ -146,9 +146,6 @@ BACKWARD = Signature(
         Argument("grad_lse", "Tensor?"),
         *_INPUTS,
         Argument("lse", "Tensor"),
-        Argument("fast_grad_hidden", "Tensor?"),
-        Argument("fast_grad_classifier", "Tensor?"),
-        Argument("fast_grad_bias", "Tensor?"),
         Argument("keep_blocks", "Tensor?", default=None),  # gradient filtering's mask
         Argument("row_index", "Tensor?", default=None),  # the forward's rows (compaction.py)
         *_OPTIONS,

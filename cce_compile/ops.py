@@ -17,7 +17,14 @@ import torch
 from torch import Tensor
 
 from . import execution, filtering, versioning
-from .op_signature import BACKWARD, BACKWARD_RETURNS, FORWARD, FORWARD_RETURNS, LOSS_OPTIONS
+from .op_signature import (
+    BACKWARD,
+    BACKWARD_RETURNS,
+    FORWARD,
+    FORWARD_RETURNS,
+    GRAD_FLAGS,
+    LOSS_OPTIONS,
+)
 
 IMPLEMENTATION_VERSION = versioning.IMPLEMENTATION_VERSION
 _EMPTY = (0,)
@@ -149,9 +156,11 @@ def _forward(*values) -> tuple[Tensor, ...]:
 
     ``loss`` is float32, a scalar or (B, T - shift) for reduction 'none'; ``lse`` is float32
     (B, T - shift) (0 at ignored rows unless ``lse_all_rows``). In mode 'fast' the three
-    ``fast_*`` are d loss / d input for a unit upstream gradient (hidden's dtype for hidden,
-    float32 for classifier and bias) where requested, else empty; in mode 'lean' they are
-    always empty. ``keep_blocks`` is gradient filtering's (N, blocks) uint8 mask, else empty.
+    ``fast_*`` are d loss / d input for a unit upstream gradient, each in its input's own dtype,
+    where requested, else empty; in mode 'lean' they are always empty. The backward scales
+    them in place and returns them as the gradients (``_backward``): the classifier's gradient
+    is the only V x D tensor fast mode makes. ``keep_blocks`` is gradient filtering's
+    (N, blocks) uint8 mask, else empty.
     ``row_index`` (int64) is, with ``skip_ignored``, the loss rows the forward computed on
     (all N of them when it skipped none: compaction.py), else empty; its size depends on the
     targets' values. ``entropy`` (float32) and ``argmax`` (int64), shaped like ``lse``, with
@@ -164,12 +173,13 @@ def _forward(*values) -> tuple[Tensor, ...]:
     rows = row_shape(hidden, args.shift)
     loss = out.loss.view(rows) if args.reduction == "none" else out.loss
     f32 = torch.float32
+    bias_like = classifier if args.bias is None else args.bias
     return (
         loss,
         out.lse.view(rows),
         out.grad_hidden if out.grad_hidden is not None else empty_output(hidden),
-        out.grad_classifier if out.grad_classifier is not None else empty_output(classifier, f32),
-        out.grad_bias if out.grad_bias is not None else empty_output(classifier, f32),
+        out.grad_classifier if out.grad_classifier is not None else empty_output(classifier),
+        out.grad_bias if out.grad_bias is not None else empty_output(bias_like),
         out.keep_blocks if out.keep_blocks is not None else empty_output(classifier, torch.uint8),
         row_index_output(out.row_index, hidden),
         out.entropy.view(rows) if out.entropy is not None else empty_output(hidden, f32),
@@ -206,12 +216,12 @@ def _forward_fake(*values):
         hidden.new_empty(rows if args.reduction == "none" else (), dtype=f32),
         hidden.new_empty(rows, dtype=f32),
         hidden.new_empty(hidden.shape) if fast and args.grad_hidden else empty_output(hidden),
-        classifier.new_empty(classifier.shape, dtype=f32)
+        classifier.new_empty(classifier.shape)
         if fast and args.grad_classifier
-        else empty_output(classifier, f32),
-        classifier.new_empty(bias.shape, dtype=f32)
+        else empty_output(classifier),
+        bias.new_empty(bias.shape)
         if fast and args.grad_bias and bias is not None
-        else empty_output(classifier, f32),
+        else empty_output(classifier if bias is None else bias),
         classifier.new_empty(
             (rows[0] * rows[1], filtering.block_count(classifier.shape[0])), dtype=torch.uint8
         )
@@ -271,36 +281,70 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(fast_h, fast_c, fast_b, keep_blocks, row_index, entropy, argmax)
     ctx.filtered = execution.filters(args)
     ctx.passed_on = args.pick(_PASSED_ON)
-    # Which fast-mode buffers the forward filled: static flags, not sizes (no guards).
+    # Which fast-mode buffers the forward filled: static flags, not sizes (no guards). The
+    # backward hands each out once (``_take_fast_gradients``).
     fast = args.mode == "fast"
-    ctx.fast_filled = (
+    filled = (
         fast and args.grad_hidden,
         fast and args.grad_classifier,
         fast and args.grad_bias and args.bias is not None,
     )
-    save_context(
-        ctx,
-        args,
-        lse=lse,
-        row_index=row_index,
-        fast_grad_hidden=fast_h,
-        fast_grad_classifier=fast_c,
-        fast_grad_bias=fast_b,
-        keep_blocks=keep_blocks,
-    )
+    ctx.fast_held = {flag for flag, is_filled in zip(GRAD_FLAGS, filled) if is_filled}
+    buffers = dict(zip(_FAST_BUFFERS.values(), (fast_h, fast_c, fast_b)))
+    save_context(ctx, args, lse=lse, row_index=row_index, keep_blocks=keep_blocks, **buffers)
 
 
-_FAST_BUFFERS = ("fast_grad_hidden", "fast_grad_classifier", "fast_grad_bias")
+# The saved fast-mode buffer of each gradient flag.
+_FAST_BUFFERS = {
+    "grad_hidden": "fast_grad_hidden",
+    "grad_classifier": "fast_grad_classifier",
+    "grad_bias": "fast_grad_bias",
+}
 
 
 def _backward(ctx, grad_loss, grad_lse, *_unused):
     saved = saved_by_name(ctx)
-    for name, filled in zip(_FAST_BUFFERS, ctx.fast_filled):
-        saved[name] = saved[name] if filled else None
+    buffers = {flag: saved.pop(name) for flag, name in _FAST_BUFFERS.items()}
     if not ctx.filtered:
         saved["keep_blocks"] = None
     backward_op = torch.ops.cce.linear_cross_entropy_backward
-    return differentiate(ctx, (FORWARD, BACKWARD), backward_op, grad_loss, grad_lse, saved)
+    signatures = (FORWARD, BACKWARD)
+    taken = _take_fast_gradients(ctx, grad_loss, buffers)
+    if taken is None:  # lean, or fast's gradients already handed out: recompute
+        return differentiate(ctx, signatures, backward_op, grad_loss, grad_lse, saved)
+    grads = returned_gradients(FORWARD, requested_gradients(ctx, FORWARD), taken)
+    if grad_lse is None:
+        return grads
+    lse_part = differentiate(ctx, signatures, backward_op, None, grad_lse, saved)
+    return tuple(_sum(g, extra) for g, extra in zip(grads, lse_part))
+
+
+def _take_fast_gradients(ctx, grad_loss, buffers: dict) -> tuple | None:
+    """Fast mode's buffers of the gradients this backward asks for, scaled in place by the
+    upstream gradient (``execution.scale_gradient_``) and handed to autograd as the gradients
+    (no copy: the classifier's gradient is the only V x D tensor); None unless the forward
+    filled every one asked for, unused, and a loss gradient arrived.
+
+    Handed out, a buffer belongs to autograd (it may keep it as ``.grad`` and add into it), so
+    a second backward through the same graph (``retain_graph=True``) recomputes it, lean
+    mode's way. Under torch.compile this Python runs once, at tracing: the compiled backward
+    scales the saved buffer out of place, or in place where Inductor may reuse a donated one
+    (and PyTorch refuses a retained backward of a graph that donates buffers)."""
+    wanted = [flag for flag, needed in requested_gradients(ctx, FORWARD).items() if needed]
+    if grad_loss is None or not wanted or not ctx.fast_held.issuperset(wanted):
+        return None
+    if torch.is_grad_enabled() and type(grad_loss) is Tensor:
+        # create_graph=True, eagerly: the backward op's gradients carry the clear refusal of
+        # a backward through them (refuse_double_backward); buffers would carry no graph.
+        # (AOTAutograd traces every backward with grad enabled: it refuses double backward.)
+        return None
+    ctx.fast_held.difference_update(wanted)
+    scaled = {flag: execution.scale_gradient_(buffers[flag], grad_loss) for flag in wanted}
+    return tuple(scaled.get(flag) for flag in GRAD_FLAGS)
+
+
+def _sum(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    return b if a is None else a if b is None else a + b
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)

@@ -1,34 +1,35 @@
 """The memory policy: how much extra memory the loss may use, and the mode and chunking that
-fit in it. README's "Memory policy" table states the same rules.
+fit in it. docs/design.md's "Memory policy" table states the same rules.
 
 Every extra byte is counted against one budget (beyond the op's inputs, its outputs and the
 gradients it returns):
 
-* budget: ``CCE_MEMORY_BUDGET_MB`` if set; else ``CCE_MEMORY_FRACTION`` (1/8) of the logits it
+* budget: ``CCE_MEMORY_BUDGET_MB`` if set; else ``CCE_MEMORY_FRACTION`` (1/5) of the logits it
   replaces, N x V x the head's dtype size; at least ``MIN_BUDGET``.
 * lean: forward, the rounded hidden (AMP) and one rounded classifier slab; backward, a float32
   d-hidden accumulator (N x D x 4), the rounded hidden (AMP) and slabs of ``w`` classes
   (N x w gradient, plus w x D rounded classifier under AMP), ``w`` as large as the budget
   allows and at least ``MIN_SLAB_COLUMNS`` (so at V < 16 D, where the accumulator alone is
-  over 1/8 of the logits, lean takes more than the budget).
-* fast: a float32 classifier-gradient buffer (V x D x 4) where the classifier needs a
-  gradient, the rounded hidden (AMP; the rounded classifier is autocast's own copy, not
-  counted: ``fast_fixed_bytes``), and chunks of ``n`` rows of float32
-  logits (n x V x 4; the bf16 gradient is written over them) with their float32 hidden
-  gradient (n x D x 4), ``n`` at most ``FAST_CHUNK_ROWS`` and as large as the budget allows.
+  over 1/5 of the logits, lean takes more than the budget).
+* fast: no V x D tensor of its own (the classifier's gradient, in its own dtype, accumulates
+  the chunks: it is an output, not extra); the rounded hidden (AMP; the rounded classifier is
+  autocast's own copy, not counted: ``fast_fixed_bytes``), and chunks of ``n`` rows of
+  float32 logits (n x V x 4; the bf16 gradient is written over them) with their float32
+  hidden gradient (n x D x 4), ``n`` at most ``FAST_CHUNK_ROWS`` and as large as the budget
+  allows.
 * auto: fast when it is valid (scalar loss, gradients wanted, no gradient of the returned lse)
-  and a chunk of at least ``MIN_FAST_ROWS`` rows (``MIN_FROZEN_FAST_ROWS`` without a
-  classifier gradient), or all rows, fits; else lean. A fast run keeps at least that floor
-  (``fast_run_rows``), and 4096-row chunks only where its fixed bytes exceed the budget.
+  and a chunk of at least ``fast_floor_rows`` rows, or all rows, fits; else lean. A fast run
+  keeps at least that floor (``fast_run_rows``).
 * CPU path: chunks of rows of float32 temporaries (3 x V x 4 bytes per row) within the budget.
 
-Why ``MIN_FAST_ROWS``: each fast chunk re-reads and re-writes the float32 classifier-gradient
-buffer (8 V D bytes) against 6 n V D FLOPs of GEMMs; at ~700 TFLOP/s and ~4 TB/s that is about
-230 / n of the chunk's time, while lean's fourth GEMM costs a third: below ~700 rows fast is
-the slower mode. Without a classifier gradient (a frozen head: LoRA, PEFT) there is no such
-buffer: a chunk's two GEMMs re-read the classifier (4 V D bytes against 4 n V D FLOPs, n FLOP
-per byte), which an H100-class GPU (~300 FLOP per byte from HBM, less from L2) sustains from a
-few hundred rows on, while lean pays a third GEMM: ``MIN_FROZEN_FAST_ROWS``.
+Why a floor (``fast_floor_rows``): each fast chunk re-reads and re-writes the classifier's
+gradient (2 V D x its element size) against 6 n V D FLOPs of GEMMs; at ~700 TFLOP/s and ~3.3
+TB/s that is about 260 / n of the chunk's time for a float32 gradient (AMP) and 130 / n for a
+bf16 one, while lean's fourth GEMM costs a third: below ~800 (float32) or ~400 (bf16) rows fast
+is the slower mode. Without a classifier gradient (a frozen head: LoRA, PEFT) a chunk's two
+GEMMs re-read the classifier (4 V D bytes against 4 n V D FLOPs, n FLOP per byte), which an
+H100-class GPU (~300 FLOP per byte from HBM, less from L2) sustains from a few hundred rows on,
+while lean pays a third GEMM: ``MIN_FROZEN_FAST_ROWS``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,14 @@ log = logging.getLogger("cce_compile")
 # The most rows per fast-mode chunk: beyond it more rows buy little speed (the accumulator's
 # re-read is ~5% at 4096) and cost chunk memory.
 FAST_CHUNK_ROWS = 4096
-# The fewest rows per fast-mode chunk for auto to prefer fast over lean (module docstring).
+# The narrowest hidden size for which auto prefers fast on a GPU: fast moves ~14 bytes per logit
+# outside its GEMMs (float32 logits written and read, the bf16 gradient written and read
+# twice) against 6 D FLOPs, lean ~6 bytes against 8 D FLOPs with its forward fused; at ~200
+# FLOP per byte lean is the faster below D ~ 850: shape G (D = 512) ran fast at 1.38x
+# compile's time and lean at 1.10x, C (D = 2048) fast at 2.97 ms and lean at 3.72 (H100).
+MIN_FAST_DIM = 1024
+# The fewest rows per fast-mode chunk for auto to prefer fast over lean, for a float32
+# classifier gradient (AMP); half of it for a 2-byte one (module docstring).
 MIN_FAST_ROWS = 1024
 # The same without a classifier gradient: no V x D buffer to re-read (module docstring).
 MIN_FROZEN_FAST_ROWS = 256
@@ -59,7 +67,7 @@ MIN_SLAB_MACS = 2**35
 # the host's launches for the rest of the call. Below it the loss is host-bound and the sync
 # costs more than the skipped rows save: shape C (4096 x 2048 x 32000, 2^38) ran 9% slower with
 # 10% of its rows skipped and no faster with 50%; E (2^42) 6% and 47% faster (H200, session 11,
-# bench/results/run_session11/skip_ignored_cost*.md). On a CPU the sync costs nothing.
+# bench/results/sft_masking.md). On a CPU the sync costs nothing.
 MIN_SKIP_MACS = 2**39
 # The smallest budget: tiny problems (tests, the CPU demo's first steps) still get chunks of
 # useful size.
@@ -75,6 +83,7 @@ class Problem:
     dim: int  # D
     logit_bytes: int  # bytes of one logit in the head's compute dtype (2 for bf16)
     rounds_inputs: bool = False  # the op rounds float32 inputs to the compute dtype (AMP)
+    device_type: str = "cuda"  # where it runs: the GPU's rules differ from the CPU path's
 
 
 def budget_bytes(problem: Problem, budget_mb: int | None, fraction: float) -> int:
@@ -84,21 +93,19 @@ def budget_bytes(problem: Problem, budget_mb: int | None, fraction: float) -> in
     return max(MIN_BUDGET, int(fraction * problem.rows * problem.vocab * problem.logit_bytes))
 
 
-def fast_fixed_bytes(problem: Problem, needs_classifier: bool) -> int:
-    """Fast mode's memory besides its chunk: the classifier-gradient buffer and, under AMP,
-    the rounded hidden. The classifier's rounded copy (V x D, held through the forward only)
-    is not counted: it is the copy autocast makes for ``F.linear`` anyway, which torch.compile
-    holds too (with the logits), so it adds nothing over what the loss replaces."""
-    fixed = problem.vocab * problem.dim * 4 if needs_classifier else 0
-    if problem.rounds_inputs:
-        fixed += problem.rows * problem.dim * problem.logit_bytes
-    return fixed
+def fast_fixed_bytes(problem: Problem) -> int:
+    """Fast mode's memory besides its chunk: under AMP, the rounded hidden. The classifier's
+    gradient is the op's output, not extra; the classifier's rounded copy (V x D, held through
+    the forward only) is not counted: it is the copy autocast makes for ``F.linear`` anyway,
+    which torch.compile holds too (with the logits), so it adds nothing over what the loss
+    replaces."""
+    return problem.rows * problem.dim * problem.logit_bytes if problem.rounds_inputs else 0
 
 
-def fast_chunk_rows(problem: Problem, needs_classifier: bool, budget: int) -> int:
+def fast_chunk_rows(problem: Problem, budget: int) -> int:
     """Rows per fast-mode chunk within the budget (0 if not even one row fits): each row
     holds its float32 logits and its float32 hidden gradient."""
-    left = budget - fast_fixed_bytes(problem, needs_classifier)
+    left = budget - fast_fixed_bytes(problem)
     per_row = (problem.vocab + problem.dim) * 4
     return max(0, min(FAST_CHUNK_ROWS, problem.rows, left // per_row))
 
@@ -108,15 +115,22 @@ def skipping_pays(device_type: str, rows: int, vocab: int, dim: int) -> bool:
     return device_type != "cuda" or rows * vocab * dim >= MIN_SKIP_MACS
 
 
-def fast_floor_rows(needs_classifier: bool) -> int:
-    """The fewest rows per chunk for which auto prefers fast (module docstring)."""
-    return MIN_FAST_ROWS if needs_classifier else MIN_FROZEN_FAST_ROWS
+def fast_floor_rows(problem: Problem, needs_classifier: bool) -> int:
+    """The fewest rows per chunk for which auto prefers fast (module docstring): the classifier
+    gradient's re-read per chunk scales with its element size (float32 under AMP)."""
+    if not needs_classifier:
+        return MIN_FROZEN_FAST_ROWS
+    gradient_bytes = 4 if problem.rounds_inputs else problem.logit_bytes
+    return MIN_FAST_ROWS * gradient_bytes // 4
 
 
 def fast_fits(problem: Problem, needs_classifier: bool, budget: int) -> bool:
-    """Does a fast-mode chunk that auto would accept fit the budget (module docstring)?"""
-    chunk = fast_chunk_rows(problem, needs_classifier, budget)
-    return chunk > 0 and chunk >= min(fast_floor_rows(needs_classifier), problem.rows)
+    """Does a fast-mode chunk that auto would accept fit the budget (module docstring), on a
+    GPU at a hidden size where fast's passes over the logits cost less than lean's GEMM?"""
+    if problem.device_type == "cuda" and problem.dim < MIN_FAST_DIM:
+        return False
+    chunk = fast_chunk_rows(problem, budget)
+    return chunk > 0 and chunk >= min(fast_floor_rows(problem, needs_classifier), problem.rows)
 
 
 def fast_run_rows(problem: Problem, needs_classifier: bool, budget: int) -> int:
@@ -126,9 +140,9 @@ def fast_run_rows(problem: Problem, needs_classifier: bool, budget: int) -> int:
     The floor matters because auto chose on the whole call and the run sees a little less
     budget (compaction's copy of the kept rows): a chunk a few rows under the floor must stay
     a budget-sized chunk, not jump to FAST_CHUNK_ROWS' gigabytes."""
-    chunk = fast_chunk_rows(problem, needs_classifier, budget)
+    chunk = fast_chunk_rows(problem, budget)
     if chunk > 0:
-        chunk = max(chunk, fast_floor_rows(needs_classifier))
+        chunk = max(chunk, fast_floor_rows(problem, needs_classifier))
     else:
         chunk = FAST_CHUNK_ROWS
     return min(chunk, FAST_CHUNK_ROWS, max(problem.rows, 1))

@@ -336,9 +336,20 @@ class _Accumulators:
         return self.hidden, self.classifier, self.bias
 
 
-def scale_to(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(x * scale).to(dtype) with one rounding."""
-    return torch.mul(x, scale.float()).to(dtype)
+# Elements per step of ``scale_``'s float32 temporaries (4 MiB).
+_SCALE_STEP = 1 << 20
+
+
+def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x *= scale in place with float32 math and one rounding (in steps: no float32 copy of
+    a low-precision x)."""
+    if x.dtype == torch.float32:
+        return x.mul_(scale)
+    if not x.is_contiguous():
+        return x.copy_(x.float() * scale.float())
+    for part in x.view(-1).split(_SCALE_STEP):
+        part.copy_(part.float().mul_(scale.float()))
+    return x
 
 
 def _float(t: torch.Tensor, compute_dtype: torch.dtype | None) -> torch.Tensor:
@@ -471,7 +482,13 @@ def fast_forward(
         grad = _finish_grad_(grad, tanh_grad, coefs, chunk_columns, w32, spec, None)
         acc.add(grad, (r0, r1), (0, vocab), h32[r0:r1], c32)
     out = ForwardOut(finish_loss(lse, target_logit, wsum, rows, spec, vocab), lse)
-    out.grad_hidden, out.grad_classifier, out.grad_bias = acc.result()
+    grads = acc.result()
+    # In the inputs' dtypes: the op hands them to autograd as they are (float32 accumulation
+    # here; a bf16 classifier's gradient is rounded once).
+    likes = (hidden, classifier, bias)
+    out.grad_hidden, out.grad_classifier, out.grad_bias = (
+        None if g is None else g.to(like.dtype) for g, like in zip(grads, likes)
+    )
     out.entropy = None if extras.mean_z is None else lse - extras.mean_z
     out.argmax = extras.argmax
     return out

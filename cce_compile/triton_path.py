@@ -10,8 +10,9 @@ Fast mode (``forward(fast=True)``), for each token chunk of ``n`` rows:
   cuBLAS logits (n x V, float32 out of the accumulator: nothing rounded before the softmax) ->
   ``chunk_softmax_grad`` writes their gradient, rounded once to the compute dtype, over the
   logits' own memory -> d hidden[chunk] = grad @ classifier (written once) and d classifier +=
-  grad.T @ hidden[chunk] into a float32 buffer (V x D). The backward only scales by the
-  upstream gradient. Three GEMMs, the minimum.
+  grad.T @ hidden[chunk] into the classifier's gradient itself (its own dtype: float32 under
+  AMP, bf16 for bf16 weights). The backward scales both by the upstream gradient in place.
+  Three GEMMs, the minimum, and no V x D tensor but the gradient.
 Mixed precision (``compute_dtype`` rounding float32 inputs, autocast's form): hidden is rounded
 once; the classifier one slab of classes at a time in lean mode (no V x D copy), once in fast
 mode (cuBLAS needs it whole per chunk); classifier gradients are written in float32 directly.
@@ -126,16 +127,23 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor
     return torch.mm(a, b, out_dtype=out.dtype, out=out)
 
 
-def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
-    """acc += a @ b (acc = a @ b when ``first``) with float32 accumulation, in place."""
+def _addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """acc += a @ b (acc = a @ b when ``first``) in place, float32 accumulation, one rounding
+    to acc's dtype per call (a bf16 ``acc`` is the bf16 gradient itself: cuBLAS reads it into
+    its float32 epilogue and writes it back)."""
     if first:  # beta = 0: the accumulator is written, not read
         _matmul(a, b, out=acc)
     elif a.device.type == "cpu":
-        acc.addmm_(a.float(), b.float())
-    elif a.dtype == torch.float32:
+        if acc.dtype == torch.float32:
+            acc.addmm_(a.float(), b.float())
+        else:
+            acc.copy_(torch.addmm(acc.float(), a.float(), b.float()))
+    elif a.dtype == acc.dtype:
         acc.addmm_(a, b)
-    else:
+    elif acc.dtype == torch.float32:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:  # e.g. a float16 classifier with a bf16 compute dtype: no cuBLAS form
+        acc.add_(torch.mm(a, b, out_dtype=torch.float32))
 
 
 def _hidden_grad(grad_positions: torch.Tensor, layout: RowLayout, hidden: torch.Tensor):
@@ -288,11 +296,13 @@ def fast_forward(
     stage = None
     if grad_positions is not None and hidden.dtype != torch.float32:
         stage = torch.empty((logits_buf.shape[0], dim), dtype=torch.float32, device=device)
-    # Written, not accumulated, by the first chunk's GEMM (beta = 0): no zero fill, unless
-    # there is no chunk at all (no rows).
+    # The classifier's gradient itself, in its dtype, accumulates the chunks (no separate
+    # float32 buffer): float32 under AMP, exact; bf16 for bf16 weights, each chunk's float32
+    # product added in cuBLAS's epilogue and rounded once. Written, not accumulated, by the
+    # first chunk's GEMM (beta = 0): no zero fill, unless there is no chunk at all (no rows).
     alloc = torch.empty if n_positions else torch.zeros
     grad_classifier = (
-        alloc((vocab, dim), dtype=torch.float32, device=device) if needs.classifier else None
+        alloc((vocab, dim), dtype=classifier.dtype, device=device) if needs.classifier else None
     )
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if needs.bias else None
     lse_positions = torch.empty(n_positions, dtype=torch.float32, device=device)
@@ -331,7 +341,7 @@ def fast_forward(
         elif grad_positions is not None:
             _matmul(grad, classifier_c, out=grad_positions[start:stop])
         if grad_classifier is not None:
-            _addmm_f32_(grad_classifier, grad.t(), h, first=start == 0)
+            _addmm_(grad_classifier, grad.t(), h, first=start == 0)
         if grad_bias is not None:
             grad_bias += grad.sum(0, dtype=torch.float32)
     lse, target_logit, wsum = (None if s is None else layout.positions_to_rows(s) for s in stats)
@@ -343,15 +353,16 @@ def fast_forward(
         out.argmax = layout.positions_to_rows(argmax_positions)
     if grad_positions is not None:
         out.grad_hidden = _hidden_grad(grad_positions, layout, hidden)
-    out.grad_classifier, out.grad_bias = grad_classifier, grad_bias
+    out.grad_classifier = grad_classifier
+    out.grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
     return out
 
 
-def scale_to(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(x * scale).to(dtype) with one rounding, in one pass on the GPU."""
-    if x.device.type == "cpu":
-        return torch.mul(x, scale.float()).to(dtype)
-    return scale_cast(x.contiguous(), scale, dtype)
+def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x *= scale in place, float32 math, one rounding (one pass on the GPU)."""
+    if x.device.type == "cpu" or not x.is_contiguous():  # (the interpreter's small tests)
+        return x.copy_(x.float() * scale.float())
+    return scale_cast(x, scale, x.dtype, out=x)
 
 
 def gradients(
@@ -427,7 +438,7 @@ def gradients(
             filter_block=filtering.FILTER_BLOCK,
         )
         if grad_positions is not None:
-            _addmm_f32_(grad_positions, slab, classifier_slab, first=start == 0)
+            _addmm_(grad_positions, slab, classifier_slab, first=start == 0)
         if grad_classifier is not None:
             # Positions that are no loss row have zero gradient rows in the slab.
             _matmul(slab.t(), positions, out=grad_classifier[start:stop])

@@ -1,57 +1,78 @@
 """A Hugging Face causal LM trained through cce_compile, in the two recipes.
 
-    python examples/hf_causal_lm.py        # tiny random Llama, a few steps, CPU or GPU
+    python examples/hf_causal_lm.py                   # tiny random Llama, a few steps, CPU or GPU
+    python examples/hf_causal_lm.py --device cpu --steps 2
 
 1. Compile the step that turns (input_ids, labels) into the loss: the logits die inside the
    graph, so the pass fuses lm_head and the loss.
 2. Compile the model itself (what Trainer and most scripts do): it returns its logits, so the
    loss is fused only with CCE_ESCAPING_LOGITS=drop, which returns the logits as a data-less
    'meta' tensor (any use of them raises). explain() says which applies and why.
+Nothing is downloaded: the model is built from a config with random weights.
 """
 
-import torch
-import transformers
-
-import cce_compile
-
-device = "cuda" if torch.cuda.is_available() else "cpu"
-config = transformers.LlamaConfig(
-    vocab_size=32000,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
-model = transformers.LlamaForCausalLM(config).to(device)
-optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-ids = torch.randint(0, config.vocab_size, (4, 128), device=device)
+import argparse
 
 
-def step(input_ids, labels):
-    return model(input_ids=input_ids, labels=labels).loss
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--steps", type=int, default=3, help="training steps per recipe")
+    return parser.parse_args()
 
 
-print(cce_compile.explain(step, ids, ids))  # one site, rewritten
-print(cce_compile.explain(model, input_ids=ids, labels=ids))  # logits escape: the fix is named
+def main() -> None:
+    args = parse_args()  # before the heavy imports: --help answers at once
 
-# Recipe 1: the step.
-compiled = torch.compile(step, backend=cce_compile.backend)
-for i in range(3):
-    loss = compiled(ids, ids)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    print(f"step {i}: loss {loss.item():.4f}")
+    import torch
+    import transformers
 
-# Recipe 2: the whole model, with the returned logits dropped.
-cce_compile.config.update(escaping_logits="drop")
-model.compile(backend="cce")
-with cce_compile.watch() as report:
-    for i in range(3):
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
+    import cce_compile
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = transformers.LlamaForCausalLM(config).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    ids = torch.randint(0, config.vocab_size, (4, 128), device=device)
+
+    def step(input_ids, labels):
+        return model(input_ids=input_ids, labels=labels).loss
+
+    print(cce_compile.explain(step, ids, ids))  # one site, rewritten
+    print(cce_compile.explain(model, input_ids=ids, labels=ids))  # logits escape: fix named
+
+    # Recipe 1: the step.
+    compiled = torch.compile(step, backend=cce_compile.backend)
+    for i in range(args.steps):
+        loss = compiled(ids, ids)
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        print(f"whole model {i}: loss {out.loss.item():.4f}, logits on {out.logits.device}")
-print(report)
+        print(f"step {i}: loss {loss.item():.4f}")
+
+    # Recipe 2: the whole model, with the returned logits dropped.
+    cce_compile.config.update(escaping_logits="drop")
+    model.compile(backend="cce")
+    with cce_compile.watch() as report:
+        for i in range(args.steps):
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            print(f"whole model {i}: loss {out.loss.item():.4f}, logits on {out.logits.device}")
+    print(report)
+
+
+if __name__ == "__main__":
+    main()

@@ -11,23 +11,25 @@ rounds them to bf16 (docs/trl.md). Nothing is downloaded: the tokenizer, the dat
 are built here.
 """
 
+from __future__ import annotations
+
 import argparse
 import random
 import tempfile
+from typing import TYPE_CHECKING
 
-import torch
-from datasets import Dataset
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from trl import SFTConfig, SFTTrainer
-
-from cce_compile.integrations import trl as cce_trl
+if TYPE_CHECKING:  # imported where used, so that --help answers at once
+    from datasets import Dataset
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 WORDS = "the a of to and in is it that for on with as was be by at this are from".split()
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """A word-level tokenizer over WORDS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {word: i for i, word in enumerate(["<pad>", "<eos>", "<unk>", *WORDS])}
     inner = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -38,6 +40,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 def build_dataset(rows: int = 64) -> Dataset:
     """Prompt-completion pairs; completions use 3 words, so the loss visibly falls."""
+    from datasets import Dataset
+
     rng = random.Random(0)
 
     def text(choices, shortest, longest):
@@ -53,6 +57,9 @@ def build_dataset(rows: int = 64) -> Dataset:
 
 def build_model(vocab_size: int) -> LlamaForCausalLM:
     """A 2-layer Llama with random weights, from a config."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=vocab_size,
@@ -67,7 +74,9 @@ def build_model(vocab_size: int) -> LlamaForCausalLM:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--bf16", action="store_true", help="SFTConfig's default bf16 autocast")
@@ -78,10 +87,21 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    import torch
+    from trl import SFTConfig, SFTTrainer
+
+    from cce_compile.integrations import trl as cce_trl
+
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = build_tokenizer()
+    # TRL turns activation checkpointing on by default, under transformers' old name
+    # (gradient_checkpointing), which transformers 5 reports as deprecated: the new name, where
+    # transformers has it, keeps the same run without the FutureWarning.
+    renamed = (
+        {"activation_checkpointing": True} if hasattr(SFTConfig, "activation_checkpointing") else {}
+    )
     cce_trl.install()  # before or after building the trainer; raises if TRL is not 1.16.x
     with tempfile.TemporaryDirectory() as output_dir:
         config = SFTConfig(
@@ -98,6 +118,7 @@ def main() -> None:
             packing=args.packing,
             max_length=64,
             torch_compile=args.torch_compile,
+            **renamed,
         )
         trainer = SFTTrainer(
             model=build_model(len(tokenizer)),

@@ -9,6 +9,10 @@
 # The first step logs "cce_compile: torchtitan loss fused (no logits)". tests/integrations runs
 # this on CPU (gloo, 2 ranks, a tiny model) against the unfused run's loss curve.
 set -euo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # the comment above, as the usage
+  sed -n '2,/^set /p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'
+  exit 0
+fi
 NGPU=${NGPU:-2}
 release=$(python -c "import torchtitan; print('.'.join(torchtitan.__version__.split('.')[:2]))")
 if [ "$release" = "0.2" ]; then

@@ -150,8 +150,8 @@ def gradient_scale(case: Case, upstream_loss: torch.Tensor, upstream_lse, leaves
     logits = oracle_logits(hidden, case.classifier, case.bias, None, case.logit_scale)
     lse = torch.logsumexp(logits, dim=-1)
     factor = upstream_loss.abs().expand_as(lse)
-    if case.reduction == "mean":
-        factor = factor / max(int((targets != case.ignore_index).sum()), 1)
+    if case.reduction == "mean":  # (int64: an int32 tensor compared with a huge int wraps)
+        factor = factor / max(int((targets.long() != case.ignore_index).sum()), 1)
     if upstream_lse is not None:
         factor = factor + upstream_lse.abs()
     vocab = case.classifier.shape[0]
@@ -175,7 +175,7 @@ def loss_scale(case: Case) -> float:
         logits = oracle_logits(hidden, case.classifier, case.bias, case.softcap, case.logit_scale)
         lse = torch.logsumexp(logits, dim=-1)
         vocab = case.classifier.shape[0]
-        valid = (targets != case.ignore_index) & (targets >= 0) & (targets < vocab)
+        valid = (targets.long() != case.ignore_index) & (targets >= 0) & (targets < vocab)
         picked = logits.gather(-1, targets.clamp(0, vocab - 1).long()[..., None])[..., 0]
         terms = torch.where(valid, lse.abs() + picked.abs(), 0.0) * (1 + case.label_smoothing)
         if case.reduction == "none":

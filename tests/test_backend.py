@@ -269,3 +269,48 @@ def test_watch_reports_the_rewrite_on_a_warm_cache(tmp_path, monkeypatch):
     assert hits >= 1  # the second compile was a cache hit ...
     assert [len(r.rewritten) for r in reports] == [1, 1]  # ... and the report still says so
     assert counters["cce_compile"]["rewritten"] == 1
+
+
+ROUTES = {
+    # backend="cce" with no import of cce_compile: Dynamo's registry loads the entry point.
+    "name": 'torch.compile(lambda x: x.sin(), backend="cce")(torch.randn(3))',
+    "enable": "import cce_compile; cce_compile.enable()",
+    "op": "import cce_compile; cce_compile.linear_cross_entropy(x, w, y)",
+    "compiled op": "import cce_compile\n"
+    "torch.compile(lambda *a: cce_compile.linear_cross_entropy(*a))(x, w, y)",
+}
+
+
+def _python(code: str, **environ: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CCE_")} | environ
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_a_bad_environment_setting_ends_the_program_in_one_line_on_every_route(route):
+    setup = "import torch\nx, w, y = torch.randn(4, 8), torch.randn(11, 8), torch.arange(4)\n"
+    result = _python(setup + ROUTES[route], CCE_MODE="turbo")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        "cce_compile.config.SettingsError: CCE_MODE='turbo' is not one of auto, lean, fast "
+        "(setting 'mode')"
+    ], result.stderr
+
+
+def test_other_errors_keep_their_traceback_under_a_bad_setting():
+    result = _python("import cce_compile\nraise KeyError('unrelated')", CCE_MODE="turbo")
+    assert result.returncode == 1 and result.stderr.startswith("Traceback"), result.stderr
+    assert result.stderr.splitlines()[-1] == "KeyError: 'unrelated'"
+    caught = textwrap.dedent(
+        """
+        import cce_compile
+        try:
+            cce_compile.enable()
+        except ValueError as error:  # a SettingsError is still a ValueError to catch
+            print(error)
+        """
+    )
+    result = _python(caught, CCE_MODE="turbo")
+    assert result.returncode == 0 and result.stdout.startswith("CCE_MODE='turbo'"), result.stderr

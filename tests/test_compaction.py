@@ -99,7 +99,8 @@ def _case(*, shift=0, reduction="mean", ignored=0.5, seed=0, options=()):
 
 
 def _kept(case) -> int:
-    return int((case.targets[:, case.shift :] != case.ignore_index).sum())
+    # int64, as PyTorch compares (an int32 tensor compared with 2**32 + 5 wraps it to 5)
+    return int((case.targets[:, case.shift :].long() != case.ignore_index).sum())
 
 
 # (mode, reduction): fast mode needs a scalar loss.
@@ -155,6 +156,27 @@ def test_ignored_rows_get_exact_zero_gradients(mode):
     assert torch.count_nonzero(rows[ignored]) == 0
     assert torch.count_nonzero(case.hidden.grad[:, -1]) == 0  # no target: no gradient
     assert torch.count_nonzero(rows[~ignored].abs().sum(-1)) == int((~ignored).sum())
+
+
+# ignore_index against int32 targets: PyTorch compares them as int64, so a value int32 cannot
+# hold ignores no row, though an int32 tensor compared with it wraps (5 == 2**32 + 5).
+INT32_IGNORE_INDEX = {"2^32+5": 2**32 + 5, "2^40": 2**40, "-2^40": -(2**40), "in-range-5": 5}
+
+
+@pytest.mark.parametrize("ignore_index", INT32_IGNORE_INDEX.values(), ids=INT32_IGNORE_INDEX)
+@pytest.mark.parametrize("mode", ["lean", "fast"])
+@pytest.mark.parametrize("skip", [True, False], ids=["skipping", "not-skipping"])
+def test_int32_targets_ignore_the_rows_pytorch_ignores(implementation, ignore_index, mode, skip):
+    options = dict(ignore_index=ignore_index, target_dtype=torch.int32, class_weights=True)
+    options.update(label_smoothing=0.1, z_loss=1e-3)
+    case = _case(shift=1, ignored=0.4, options=options)
+    assert bool((case.targets[:, 1:] == ignore_index).any())  # int32's wrap-around: the trap
+    with config.override(skip_ignored=skip):
+        run_and_compare(case, mode=mode)
+    kept = _kept(case)
+    batch, time = case.targets.shape
+    rows = (1, kept) if skip and kept < batch * (time - 1) else (batch, time)
+    assert implementation and all(shape[:2] == rows for _, shape in implementation)
 
 
 def test_the_setting_turns_it_off(implementation):

@@ -109,6 +109,26 @@ def test_tensor_options_under_fullgraph_compile(name, requires_grad):
     assert_close(f"d loss / d hidden, {name} tensor", got, want, GRAD_RTOL[torch.float32])
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_autograd_route_ignores_the_rows_pytorch_ignores_of_int32_targets(compiled):
+    """2**32 + 5 ignores no int32 target (PyTorch compares as int64), though int32 wraps it to
+    class 5, which the targets hold; the route traced by Dynamo too."""
+    case = _case(ignore_index=2**32 + 5, ignored_fraction=0.4, target_dtype=torch.int32)
+    assert bool((case.targets == case.ignore_index).any())
+    value = torch.tensor(1.3, requires_grad=True)
+    fn = lambda h, v: _ours(case, h, case.classifier, logit_scale=v)  # noqa: E731
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    hidden = case.hidden.clone().requires_grad_()
+    got = fn(hidden, value)
+    case.logit_scale = 1.3
+    want = _theirs(case, hidden.double(), case.classifier.double())
+    assert_close("loss", got, want, LOSS_RTOL[torch.float32])
+    (got_grad,), (want_grad,) = (torch.autograd.grad(x, hidden) for x in (got, want))
+    assert_close("d loss / d hidden", got_grad, want_grad, GRAD_RTOL[torch.float32])
+
+
 def test_tensor_option_without_grad_is_a_number():
     case = _case()
     loss = _ours(case, case.hidden, case.classifier, logit_scale=torch.tensor(1.3))

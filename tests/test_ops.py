@@ -10,6 +10,7 @@ from oracle import LOSS_RTOL, assert_close, oracle
 from strategies import build_case
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.optests.generate_tests import DEFAULT_TEST_UTILS
 
 import cce_compile
 import cce_compile.ops  # noqa: F401  (registers torch.ops.cce)
@@ -105,9 +106,48 @@ def op_args(options: dict, dtype=torch.float32, leading=(2, 5), dim=7, vocab=11,
     )
 
 
+# Fast mode's three gradient outputs are its autograd formula's: the backward scales them in
+# place and hands them to autograd as the gradients (ops._take_fast_gradients), so a caller
+# that returns them from a compiled graph, as opcheck's AOT test does, would see the scaled
+# values; no caller of the op keeps them. Compiled fast mode is tested without them
+# (test_compiled_fast_mode_matches_eager).
+_FAST_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+def _opcheck(args) -> None:
+    fast = FORWARD.bind(args).mode == "fast"
+    torch.library.opcheck(OP, args, test_utils=_FAST_UTILS if fast else DEFAULT_TEST_UTILS)
+
+
 @pytest.mark.parametrize("options", [_param(c) for c in _all_pairs()])
 def test_opcheck(options):
-    torch.library.opcheck(OP, op_args(options))
+    _opcheck(op_args(options))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("options", [_param(c) for c in _all_pairs() if c["mode"] == "fast"][:4])
+def test_compiled_fast_mode_matches_eager(options, backend):
+    """The op in fast mode under AOTAutograd (what opcheck's AOT test checks, without
+    returning the gradient outputs): loss, lse and every gradient equal eager's."""
+    args = op_args(options)
+    inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+
+    def loss_and_lse(*values):
+        loss, lse, *_ = OP(*values)
+        return loss, lse
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_and_lse, backend=backend, fullgraph=True, dynamic=True)
+    results = []
+    for run in (loss_and_lse, compiled):
+        loss, lse = run(*args)
+        upstream = (torch.tensor(0.7), torch.linspace(-1, 1, lse.numel()).view(lse.shape))
+        wanted = (loss, lse) if FORWARD.bind(args).lse_all_rows else (loss,)
+        grads = torch.autograd.grad(wanted, inputs, upstream[: len(wanted)])
+        results.append((loss, lse, *grads))
+    names = ("loss", "lse", *(f"grad {i}" for i in range(len(inputs))))
+    for name, got, want in zip(names, results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize(
@@ -127,7 +167,7 @@ def test_opcheck_skipping_ignored_rows_with_the_metrics(mode, reduction):
         return_argmax=True,
         **NUMERIC["numeric"],
     )
-    torch.library.opcheck(OP, op_args(options))
+    _opcheck(op_args(options))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -142,7 +182,7 @@ def test_opcheck_half_dtypes(dtype, mode):
         lse_all_rows=True,
         **NUMERIC["numeric"],
     )
-    torch.library.opcheck(OP, op_args(options, dtype=dtype))
+    _opcheck(op_args(options, dtype=dtype))
 
 
 @pytest.mark.parametrize("mode", ["lean", "fast"])
@@ -151,7 +191,7 @@ def test_opcheck_float32_inputs_with_a_half_compute_dtype(mode):
     options = dict(reduction="sum", mode=mode, bias=True, class_weights=True, shift=1)
     args = FORWARD.bind(op_args({**options, "lse_all_rows": False, **NUMERIC["numeric"]}))
     call = FORWARD.build(**{**args.pick(FORWARD.names), "compute_dtype": torch.bfloat16})
-    torch.library.opcheck(OP, call)
+    _opcheck(call)
     loss = OP(*call)[0]
     grads = torch.autograd.grad(loss, [args.hidden, args.classifier, args.bias])
     assert [g.dtype for g in grads] == [torch.float32] * 3
@@ -172,16 +212,11 @@ def test_fake_kernels_mirror_real_outputs(options):
 
     grad_loss = torch.ones_like(real[0])
     forward = FORWARD.bind(args)
-    fast = real[2:] if options["mode"] == "fast" else (None, None, None)
-    fast = [None if f is None or f.numel() == 0 else f for f in fast]
     backward_args = BACKWARD.build(
         grad_loss=grad_loss,
         grad_lse=real[1],
         **forward.pick(("hidden", "classifier", "targets", "bias", "class_weights")),
         lse=real[1],
-        fast_grad_hidden=fast[0],
-        fast_grad_classifier=fast[1],
-        fast_grad_bias=fast[2],
         **forward.pick((*LOSS_OPTIONS, "lse_all_rows")),
         grad_hidden=True,
         grad_classifier=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -94,3 +95,46 @@ def test_validation_runs_before_any_kernel(monkeypatch):
     with pytest.raises(ValueError):
         lce(**{**good(), "label_smoothing": 2.0})
     assert not calls
+
+
+# What F.cross_entropy takes as ignore_index (operator.index: numpy integers, one-element
+# integer tensors) is taken, read once as a Python int; bool is refused, as there.
+IGNORE_INDEX_FORMS = {
+    "numpy-int64": lambda v: np.int64(v),
+    "numpy-int32": lambda v: np.int32(v),
+    "tensor-0d": lambda v: torch.tensor(v),
+    "tensor-0d-int32": lambda v: torch.tensor(v, dtype=torch.int32),
+    "tensor-one-element": lambda v: torch.tensor([v]),
+}
+
+
+@pytest.mark.parametrize("form", IGNORE_INDEX_FORMS.values(), ids=IGNORE_INDEX_FORMS)
+def test_ignore_index_in_any_integer_form_pytorch_takes(form):
+    kwargs = good()
+    kwargs["targets"][0, :3] = 4
+    expected = lce(**kwargs, ignore_index=4, reduction="sum")
+    got = lce(**kwargs, ignore_index=form(4), reduction="sum")
+    assert torch.equal(got, expected)
+    logits = kwargs["hidden"] @ kwargs["classifier"].T
+    reference = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), kwargs["targets"].flatten(), ignore_index=form(4), reduction="sum"
+    )
+    torch.testing.assert_close(got, reference)
+
+
+BAD_IGNORE_INDEX = {
+    "bool": (True, TypeError),
+    "numpy-bool": (np.bool_(True), TypeError),
+    "bool-tensor": (torch.tensor(True), TypeError),
+    "float-tensor": (torch.tensor(3.0), TypeError),
+    "numpy-float": (np.float64(3.0), TypeError),
+    "string": ("3", TypeError),
+    "above-int64": (2**63, ValueError),
+    "below-int64": (-(2**63) - 1, ValueError),
+}
+
+
+@pytest.mark.parametrize(("value", "error"), BAD_IGNORE_INDEX.values(), ids=BAD_IGNORE_INDEX)
+def test_ignore_index_refused_like_pytorch(value, error):
+    with pytest.raises(error, match="ignore_index"):
+        lce(**good(), ignore_index=value)

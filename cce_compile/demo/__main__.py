@@ -1,13 +1,20 @@
 """``python -m cce_compile.demo``: train a small LM twice, with and without cce_compile.
 
-python -m cce_compile.demo                      # CPU: ~1 minute on 2 idle cores, vocabulary 32K
-python -m cce_compile.demo --arch gla           # gated linear attention instead of GPT
+python -m cce_compile.demo                      # CPU: about a minute on 2 cores, vocabulary 32K
+python -m cce_compile.demo --arch gla --control # GLA, and torch.compile against itself as control
 python -m cce_compile.demo --max-batch          # GPU: largest batch per run, throughput
+
+The two runs train side by side, one step of each in turn (the order swapped every step), from
+the same initial weights on the same batches; only the backend differs. Speed is the median of
+per-block tokens/s ratios with its spread, compilation and warm-up excluded. Step 0 compares
+losses and gradients; later steps show how far the runs drift apart, and --control shows how
+far torch.compile drifts from itself after a last-bit change to the initial weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import pathlib
 import sys
 import time
@@ -17,7 +24,7 @@ import torch
 from .. import config as cce_config
 from . import corpus, report
 from .models import ModelConfig
-from .train import RunConfig, max_batch, train
+from .train import WARM_STEPS, RunConfig, compare, max_batch
 
 COMPILE_SECONDS = {"cpu": 15, "cuda": 60}  # the first step's compile at most, measured (README)
 DEFAULTS = {  # (vocab, dim, layers, heads, context, batch, steps)
@@ -26,17 +33,22 @@ DEFAULTS = {  # (vocab, dim, layers, heads, context, batch, steps)
 }
 
 
-def _progress(name: str, steps: int):
+def _progress(steps: int, tokens_per_step: int):
     start = time.perf_counter()
 
-    def show(step: int, loss: float, rate: float, memory: float | None) -> None:
+    def show(step: int, runs) -> None:
         if step % max(1, steps // 20) and step != steps - 1:
             return
-        mem = f"  mem {memory:.2f} GiB" if memory is not None else ""
-        bar = "#" * int(30 * (step + 1) / steps)
+        parts = []
+        for run in runs[:2]:  # the control, when there is one, is neither timed nor shown
+            rate, _ = run.tokens_per_s(tokens_per_step)
+            speed = "    warm-up" if math.isnan(rate) else f"{rate:7,.0f} tok/s"
+            parts.append(f"{run.name} {run.losses[-1]:7.4f} {speed}")
+        bar = "#" * int(20 * (step + 1) / steps)
         print(
-            f"\r  {name:14s} [{bar:30s}] {step + 1:4d}/{steps}  loss {loss:7.4f}  "
-            f"{rate:9,.0f} tok/s{mem}  {time.perf_counter() - start:6.1f}s",
+            f"\r  [{bar:20s}] {step + 1:4d}/{steps}  "
+            + "  ".join(parts)
+            + f"  {time.perf_counter() - start:6.1f}s",
             end="",
             flush=True,
         )
@@ -47,47 +59,101 @@ def _progress(name: str, steps: int):
 
 
 def parse(argv) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's options, every one described (``--help``)."""
+    cpu, gpu = DEFAULTS["cpu"], DEFAULTS["cuda"]
+
+    def default(index: int) -> str:
+        return f"default: {cpu[index]:,} on the CPU, {gpu[index]:,} on a GPU"
+
     parser = argparse.ArgumentParser(
         prog="python -m cce_compile.demo",
         description=__doc__.replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,  # one example per line
     )
-    parser.add_argument("--arch", choices=["gpt", "gla"], default="gpt")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--vocab", type=int)
-    parser.add_argument("--dim", type=int)
-    parser.add_argument("--layers", type=int)
-    parser.add_argument("--heads", type=int)
-    parser.add_argument("--context", type=int)
-    parser.add_argument("--batch", type=int)
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--lr", type=float, default=6e-4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
+    model = parser.add_argument_group("model and training")
+    model.add_argument(
+        "--arch",
+        choices=["gpt", "gla"],
+        default="gpt",
+        help="gpt: nanoGPT-style attention; gla: gated linear attention, where the loss layer "
+        "is a larger share of the step (default: gpt)",
+    )
+    model.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: the GPU when torch sees one, else the CPU (default: auto)",
+    )
+    model.add_argument("--vocab", type=int, help=f"vocabulary size, the loss's V ({default(0)})")
+    model.add_argument("--dim", type=int, help=f"model width, the loss's D ({default(1)})")
+    model.add_argument("--layers", type=int, help=f"transformer blocks ({default(2)})")
+    model.add_argument("--heads", type=int, help=f"attention heads per block ({default(3)})")
+    model.add_argument("--context", type=int, help=f"tokens per sequence ({default(4)})")
+    model.add_argument("--batch", type=int, help=f"sequences per step ({default(5)})")
+    model.add_argument(
+        "--steps",
+        type=int,
+        help=f"training steps of each run, the first {WARM_STEPS} untimed ({default(6)})",
+    )
+    model.add_argument(
+        "--lr", type=float, default=6e-4, help="peak learning rate of AdamW (default: 6e-4)"
+    )
+    model.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds the initial weights and the batches' order, the same for every run "
+        "(default: 0)",
+    )
+    model.add_argument(
         "--mode",
         choices=cce_config.MODES,
         default=None,
-        help="the op's mode for the cce_compile run (default: CCE_MODE, else 'auto')",
+        help="the op's mode for the cce_compile run: lean recomputes in the backward, fast "
+        "computes gradients in the forward, auto picks (default: CCE_MODE, else auto)",
     )
-    parser.add_argument(
+    measure = parser.add_argument_group("measurements")
+    measure.add_argument(
+        "--control",
+        action="store_true",
+        help="also train torch.compile from initial weights moved by one float32 ulp, to show "
+        "how far rounding alone makes training drift (costs a third run's steps, not timed)",
+    )
+    measure.add_argument(
         "--max-batch",
         action="store_true",
-        help="GPU: find the largest batch that fits for each run",
+        help="GPU: also find the largest batch that fits for each run, and its tokens/s",
     )
-    parser.add_argument(
-        "--max-batch-limit", type=int, default=512, help="stop the --max-batch search here"
+    measure.add_argument(
+        "--max-batch-limit",
+        type=int,
+        default=512,
+        help="the largest batch --max-batch tries (default: 512)",
     )
-    parser.add_argument(
+    files = parser.add_argument_group("files")
+    files.add_argument(
         "--corpus-bytes",
         type=int,
         default=None,
-        help="use only the first N bytes of the stdlib (faster first run)",
+        help="tokenize only the first N bytes of the stdlib (faster first run; default: all)",
     )
-    parser.add_argument(
-        "--cache-dir", type=pathlib.Path, default=pathlib.Path.home() / ".cache" / "cce_compile"
+    files.add_argument(
+        "--cache-dir",
+        type=pathlib.Path,
+        default=pathlib.Path.home() / ".cache" / "cce_compile",
+        help="where the tokenized corpus is cached (default: ~/.cache/cce_compile)",
     )
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("demo_out"))
-    return parser.parse_args(argv)
+    files.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("demo_out"),
+        help="where the results JSON and the PNG are written (default: ./demo_out)",
+    )
+    return parser
 
 
 def main(argv=None) -> int:
@@ -134,6 +200,7 @@ def _run(args: argparse.Namespace) -> int:
         lr=args.lr,
         seed=args.seed,
         device=device,
+        control=args.control,
     )
 
     print(
@@ -147,13 +214,14 @@ def _run(args: argparse.Namespace) -> int:
         f"{model_cfg.context}; batch {cfg.batch}, {cfg.steps} steps, device {device}; "
         f"cce_compile mode {cce_config.get().mode!r}"
     )
-
-    runs = []
-    for name, use_cce in (("torch.compile", False), ("cce_compile", True)):
-        wait = COMPILE_SECONDS[device]
-        print(f"  {name:14s} compiling (the first step takes up to ~{wait} s) ...")
-        runs.append(train(cfg, ids, use_cce=use_cce, progress=_progress(name, cfg.steps)))
-    baseline, fused = runs
+    runs = "torch.compile and cce_compile" + (" (and the control)" if cfg.control else "")
+    print(
+        f"Training {runs} side by side, a step of each in turn; each compiles on its first "
+        f"step (up to ~{COMPILE_SECONDS[device]} s each) ..."
+    )
+    tokens_per_step = cfg.batch * model_cfg.context
+    comparison = compare(cfg, ids, progress=_progress(cfg.steps, tokens_per_step))
+    baseline, fused = comparison.baseline, comparison.fused
     if args.max_batch:
         if device != "cuda":
             print("--max-batch needs a GPU; skipped")
@@ -170,11 +238,13 @@ def _run(args: argparse.Namespace) -> int:
                         flush=True,
                     ),
                 )
-    tokens_per_step = cfg.batch * model_cfg.context
     logits_dtype = cfg.autocast_dtype or torch.float32
     logits_mib = tokens_per_step * model_cfg.vocab * logits_dtype.itemsize / 2**20
     print()
     print(report.table(baseline, fused, logits_mib if fused.rewritten_sites else None))
+    print()
+    print(report.speed_text(comparison))
+    print(report.exactness_text(comparison))
     if device == "cpu":
         print(report.CPU_NOTE)
     meta = {
@@ -187,8 +257,12 @@ def _run(args: argparse.Namespace) -> int:
         "max_batch_limit": args.max_batch_limit if args.max_batch else None,
         "config": vars(model_cfg) | {"batch": cfg.batch, "steps": cfg.steps},
     }
-    report.save(args.out, meta, baseline, fused)
-    print(f"\nWrote {args.out / f'demo_{args.arch}.json'} and the PNG beside it.")
+    png = report.save(args.out, meta, comparison)
+    print(f"\nWrote {args.out / f'demo_{args.arch}.json'}")
+    if png is None:
+        print("No picture: matplotlib is not installed (pip install matplotlib).")
+    else:
+        print(f"Picture: {png}")
     return 0
 
 

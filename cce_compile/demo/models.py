@@ -25,6 +25,7 @@ class ModelConfig:
     heads: int = 4
     context: int = 256
     chunk: int = 64  # GLA's chunk length
+    norm_eps: float = 1e-5  # GLA's per-head output norm (fla's GatedLinearAttention's norm_eps)
 
 
 class MLP(nn.Module):
@@ -64,7 +65,7 @@ class GatedLinearAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.heads, self.chunk = cfg.heads, cfg.chunk
+        self.heads, self.chunk, self.norm_eps = cfg.heads, cfg.chunk, cfg.norm_eps
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
         self.gate = nn.Linear(cfg.dim, cfg.heads, bias=True)
         self.out = nn.Linear(cfg.dim, cfg.dim, bias=False)
@@ -97,8 +98,15 @@ class GatedLinearAttention(nn.Module):
         state = (across.exp().to(update.dtype) @ update.flatten(-2)).view_as(update)
         inter = (q * decay.exp()[..., None]) @ state
         # Per-head RMS norm of the output, as in the GLA paper: the state's scale drifts with
-        # the gates, and without the norm training spikes at the end of the warm-up.
-        y = F.rms_norm(intra + inter, (d // h,)).reshape(b, h, t, d // h)
+        # the gates, and without the norm training spikes at the end of the warm-up. Its eps is
+        # explicit, as in fla's GLA layer: the default, the dtype's machine epsilon (1.2e-7 in
+        # float32), made the model change with its dtype, and it was as large as the mean
+        # square of some outputs at position 0 at initialisation (down to 5e-8: a product of
+        # three small projections). Dividing by their near-zero RMS amplified rounding: float32
+        # gradients 2e-5 off float64's (GPT's: 3e-7), and training drifted from any
+        # rounding-sized change within ten steps (cce_compile against torch.compile, or
+        # torch.compile against itself).
+        y = F.rms_norm(intra + inter, (d // h,), eps=self.norm_eps).reshape(b, h, t, d // h)
         return self.out(y.transpose(1, 2).reshape(b, t, d))
 
 

@@ -1,16 +1,32 @@
-"""Two seeded training runs, plain torch.compile against cce_compile, and what they cost.
+"""Plain torch.compile against cce_compile, trained side by side, and what each costs.
 
 Both runs build the same model from the same seed, see the same batches in the same order and
 compile the same step (the model's forward returns the loss, so the logits die inside the
-graph); only the backend differs. Measured per run: loss curve, tokens/s, peak GPU memory, and
-the loss layer's share of step time and memory (the step against the same step with the loss
-layer replaced by a trivial loss on the hidden states).
+graph); only the backend differs. They train interleaved: one step of each in turn, the order
+swapped every step, so that a machine that slows down (other work, a throttled core) slows both
+alike. Their first ``WARM_STEPS`` steps (compilation, warm-up) are not timed.
+
+Speed: each block of ``BLOCK_STEPS`` timed steps (both orders) gives one ratio of the two runs'
+tokens/s; the demo reports the median ratio with its spread (quartiles, min-max), and each
+run's tokens/s at its median step time.
+
+Exactness: step 0 (same weights, same batch) compares the losses and every gradient. Later
+steps diverge as training amplifies rounding differences; the control run (``control=True``:
+torch.compile against itself, every initial weight moved by one float32 ulp) shows how a
+rounding-sized difference grows without cce_compile. The relative distance between the runs'
+weights after every step shows that growth before the losses, rounded to float32, do.
+
+Also measured per run: peak memory (GPU: torch.cuda's peak during its steps, less what the
+other runs hold; CPU: the peak of what torch allocates during one training step) and, on the
+GPU, the loss layer's share of step time and memory (the step against the same step with the
+loss layer replaced by a trivial loss on the hidden states).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import statistics
@@ -24,6 +40,9 @@ from torch._dynamo.utils import counters
 
 from .models import ModelConfig, build
 
+WARM_STEPS = 2  # step 0 compiles forward and backward; step 1 still runs slower
+BLOCK_STEPS = 2  # a block: one step in each order
+
 
 @dataclasses.dataclass
 class RunConfig:
@@ -32,10 +51,11 @@ class RunConfig:
     batch: int
     steps: int
     lr: float = 6e-4  # nanoGPT's
-    warmup: int = 20
+    warmup: int = 20  # the learning rate's warm-up, in steps
     grad_clip: float = 1.0  # nanoGPT's; GLA in bf16 spikes without it
     seed: int = 0
     device: str = "cpu"
+    control: bool = False  # also train the control run (see the module's docstring)
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -46,11 +66,15 @@ class RunConfig:
 class RunResult:
     name: str
     losses: list[float]
-    tokens_per_s: float
-    step_ms: float
-    # GPU: torch.cuda's peak over the run; CPU: the peak of what torch allocates during one
-    # training step (the profiler's memory timeline). Each is taken the same way for both runs.
+    tokens_per_s: float  # at the median step time of the timed steps
+    step_ms: float  # the median timed step
+    # GPU: torch.cuda's peak during this run's steps, less what the other runs hold; CPU: the
+    # peak of what torch allocates during one training step (the profiler's memory timeline).
+    # Each is taken the same way for both runs.
     peak_memory_gb: float | None
+    step_seconds: list[float] = dataclasses.field(default_factory=list)  # every step's
+    # The relative distance of this run's weights from the baseline's after every step.
+    weight_distance: list[float] = dataclasses.field(default_factory=list)
     # The loss layer's share: forward+backward of the model with its loss, against the same
     # without the loss layer (no optimizer step in either, same measurement).
     loss_step_ms: float | None = None
@@ -72,6 +96,53 @@ class RunResult:
         if self.loss_peak_memory_gb is None or self.null_peak_memory_gb is None:
             return None
         return max(0.0, 1 - self.null_peak_memory_gb / self.loss_peak_memory_gb)
+
+
+@dataclasses.dataclass
+class StepZero:
+    """Two runs' first step from the same weights on the same batch."""
+
+    loss_difference: float
+    loss_ulp: float  # float32's spacing at the baseline's loss
+    grad_difference: float  # |g - g_baseline| / |g_baseline| over all weights at once (L2)
+    worst_tensor: str  # the weight whose gradient differs most, relatively
+    worst_difference: float  # that weight's relative L2 difference
+
+
+@dataclasses.dataclass
+class Speed:
+    """The fused run's tokens/s over the baseline's, per block of timed steps."""
+
+    block_ratios: list[float]
+    block_steps: int
+    warm_steps: int
+    # The machine's 1-minute load average over the run (min, max; None where the system does
+    # not say), its cores and torch's threads: a shared machine slows both runs, not alike.
+    load: tuple[float, float] | None = None
+    cores: int | None = None
+    threads: int | None = None
+    on_cpu: bool = True
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.block_ratios)
+
+    @property
+    def quartiles(self) -> tuple[float, float]:
+        if len(self.block_ratios) < 2:
+            return self.median, self.median
+        q1, _, q3 = statistics.quantiles(self.block_ratios, n=4, method="inclusive")
+        return q1, q3
+
+
+@dataclasses.dataclass
+class Comparison:
+    baseline: RunResult
+    fused: RunResult
+    speed: Speed | None  # None: too few steps to time
+    step_zero: StepZero
+    control: RunResult | None = None
+    control_step_zero: StepZero | None = None
 
 
 def batches(
@@ -115,62 +186,196 @@ def _make_step(model, cfg: RunConfig, use_cce: bool, loss_fn: str = "forward") -
     return step
 
 
-def train(
+def nudge_by_one_ulp(model: torch.nn.Module) -> None:
+    """Move every weight to the next float32 value up: the control's perturbation."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.nextafter(p, torch.full_like(p, math.inf)))
+
+
+class _Run:
+    """One training run: its model, optimizer, compiled step, and what its steps measured."""
+
+    def __init__(self, name: str, cfg: RunConfig, use_cce: bool, nudge: bool = False):
+        self.name, self.cfg, self.use_cce = name, cfg, use_cce
+        torch.manual_seed(cfg.seed)
+        self.model = build(cfg.arch, cfg.model).to(cfg.device)
+        if nudge:
+            nudge_by_one_ulp(self.model)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        self.step_fn = _make_step(self.model, cfg, use_cce)
+        self.rewritten = 0  # sites the pass rewrote while this run's steps compiled
+        self.losses: list[float] = []
+        self.seconds: list[float] = []
+        self.distance: list[float] = []
+        self.peak_bytes = 0
+        self.first_grads: dict[str, torch.Tensor] = {}
+
+    def resident_bytes(self) -> int:
+        """What the run holds between steps: weights and optimizer state."""
+        tensors = list(self.model.parameters())
+        for state in self.optimizer.state.values():
+            tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def train_step(self, i: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = _lr(i, self.cfg)
+        cuda = self.cfg.device == "cuda"
+        _sync(self.cfg.device)
+        if cuda:
+            others = torch.cuda.memory_allocated() - self.resident_bytes()
+            torch.cuda.reset_peak_memory_stats()
+        rewritten = counters["cce_compile"]["rewritten"]
+        start = time.perf_counter()
+        loss = self.step_fn(x, y)
+        loss.backward()
+        if i == 0:  # before clipping: the gradient the step computed
+            self.first_grads = {
+                n: p.grad.detach().clone() for n, p in self.model.named_parameters()
+            }
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        value = loss.item()  # a sync: the step is over
+        self.seconds.append(time.perf_counter() - start)
+        self.rewritten += counters["cce_compile"]["rewritten"] - rewritten
+        self.losses.append(value)
+        if cuda:
+            self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated() - others)
+
+    def tokens_per_s(self, tokens_per_step: int) -> tuple[float, float]:
+        timed = self.seconds[WARM_STEPS:] if len(self.seconds) > WARM_STEPS else []
+        if not timed:
+            return math.nan, math.nan
+        median = statistics.median(timed)
+        return tokens_per_step / median, 1000 * median
+
+    def distance_from(self, other: _Run) -> float:
+        with torch.no_grad():
+            mine = list(self.model.parameters())
+            theirs = list(other.model.parameters())
+            diff = sum(float((a - b).float().square().sum()) for a, b in zip(mine, theirs))
+            norm = sum(float(b.float().square().sum()) for b in theirs)
+        return math.sqrt(diff / norm)
+
+
+def _step_zero(run: _Run, baseline: _Run) -> StepZero:
+    mine, theirs = run.first_grads, baseline.first_grads
+    per_tensor = {}
+    diff = norm = 0.0
+    for name, g in theirs.items():
+        d = float((mine[name].double() - g.double()).square().sum())
+        n = float(g.double().square().sum())
+        diff, norm = diff + d, norm + n
+        per_tensor[name] = math.sqrt(d / n) if n else (0.0 if d == 0 else math.inf)
+    worst = max(per_tensor, key=per_tensor.get)
+    loss = baseline.losses[0]
+    ulp = float(torch.tensor(loss).nextafter(torch.tensor(math.inf)) - torch.tensor(loss))
+    return StepZero(
+        loss_difference=abs(run.losses[0] - loss),
+        loss_ulp=ulp,
+        grad_difference=math.sqrt(diff / norm) if norm else 0.0,
+        worst_tensor=worst,
+        worst_difference=per_tensor[worst],
+    )
+
+
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on Windows
+        return None
+
+
+def _speed(baseline: _Run, fused: _Run, loads: list[float]) -> Speed | None:
+    timed = len(baseline.seconds) - WARM_STEPS
+    ratios = []
+    for start in range(WARM_STEPS, WARM_STEPS + timed - timed % BLOCK_STEPS, BLOCK_STEPS):
+        block = slice(start, start + BLOCK_STEPS)
+        ratios.append(sum(baseline.seconds[block]) / sum(fused.seconds[block]))
+    if not ratios:
+        return None
+    return Speed(
+        ratios,
+        BLOCK_STEPS,
+        WARM_STEPS,
+        load=(min(loads), max(loads)) if loads else None,
+        cores=os.cpu_count(),
+        threads=torch.get_num_threads(),
+        on_cpu=baseline.cfg.device == "cpu",
+    )
+
+
+def compare(
     cfg: RunConfig,
     ids: torch.Tensor,
-    use_cce: bool,
-    progress: Callable[[int, float, float, float | None], None] | None = None,
-) -> RunResult:
-    """One training run; ``progress(step, loss, tokens_per_s, memory_gb)`` after each step."""
-    torch.manual_seed(cfg.seed)
-    model = build(cfg.arch, cfg.model).to(cfg.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    before = counters["cce_compile"]["rewritten"]
-    step = _make_step(model, cfg, use_cce)
+    progress: Callable[[int, list[_Run]], None] | None = None,
+) -> Comparison:
+    """Train torch.compile and cce_compile (and the control, with ``cfg.control``)
+    interleaved step by step; ``progress(step, runs)`` after each step."""
+    baseline = _Run("torch.compile", cfg, use_cce=False)
+    fused = _Run("cce_compile", cfg, use_cce=True)
+    control = _Run("control", cfg, use_cce=False, nudge=True) if cfg.control else None
+    timed = [baseline, fused]
     data = batches(ids, cfg.batch, cfg.model.context, cfg.seed, cfg.device)
-    losses, timed, timed_tokens = [], 0.0, 0
-    skip = min(3, cfg.steps - 1)  # compile and warm-up steps are not timed
-    if cfg.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    loads = []
     for i in range(cfg.steps):
         x, y = next(data)
-        for group in optimizer.param_groups:
-            group["lr"] = _lr(i, cfg)
-        _sync(cfg.device)
-        start = time.perf_counter()
-        loss = step(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        value = loss.item()  # a sync: the step is over
-        elapsed = time.perf_counter() - start
-        losses.append(value)
-        if i >= skip:
-            timed += elapsed
-            timed_tokens += x.numel()
+        if control is not None:  # untimed, before both: whichever runs next follows it
+            control.train_step(i, x, y)
+        for run in timed if i % 2 == 0 else timed[::-1]:
+            run.train_step(i, x, y)
+        load = _load()
+        if load is not None and i >= WARM_STEPS:
+            loads.append(load)
+        for run in (fused, control):
+            if run is not None:
+                run.distance.append(run.distance_from(baseline))
         if progress is not None:
-            rate = timed_tokens / timed if timed else 0.0
-            progress(i, value, rate, _peak_gb(cfg.device))
-    peak = _peak_gb(cfg.device)
-    if cfg.device == "cpu":
-        x, y = next(data)
-        peak = step_peak_bytes(lambda: step(x, y).backward()) / 2**30
-        model.zero_grad(set_to_none=True)
-    result = RunResult(
-        name="cce_compile" if use_cce else "torch.compile",
-        losses=losses,
-        tokens_per_s=timed_tokens / timed if timed else float("nan"),
-        step_ms=1000 * timed / max(1, cfg.steps - skip),
-        peak_memory_gb=peak,
-        rewritten_sites=counters["cce_compile"]["rewritten"] - before,
+            progress(i, [r for r in (baseline, fused, control) if r is not None])
+    tokens = cfg.batch * cfg.model.context
+    runs = [r for r in (baseline, fused, control) if r is not None]
+    held = sum(r.resident_bytes() for r in runs)
+    results = [_result(r, tokens, ids, others=held - r.resident_bytes()) for r in timed]
+    comparison = Comparison(
+        *results, speed=_speed(baseline, fused, loads), step_zero=_step_zero(fused, baseline)
     )
-    if cfg.device == "cuda":  # the CPU demo stays short: no extra compiles for the shares
+    if control is not None:
+        comparison.control = _result(control, tokens, ids, memory=False)
+        comparison.control_step_zero = _step_zero(control, baseline)
+    return comparison
+
+
+def _result(
+    run: _Run, tokens_per_step: int, ids: torch.Tensor, others: int = 0, memory: bool = True
+) -> RunResult:
+    """``others``: the bytes the other runs hold (GPU peaks are counted without them)."""
+    cfg = run.cfg
+    rate, step_ms = run.tokens_per_s(tokens_per_step)
+    peak = None
+    if memory and cfg.device == "cuda":
+        peak = run.peak_bytes / 2**30
+    elif memory:
+        x, y = next(batches(ids, cfg.batch, cfg.model.context, cfg.seed + 1, cfg.device))
+        peak = step_peak_bytes(lambda: run.step_fn(x, y).backward()) / 2**30
+        run.model.zero_grad(set_to_none=True)
+    result = RunResult(
+        name=run.name,
+        losses=run.losses,
+        tokens_per_s=rate,
+        step_ms=step_ms,
+        peak_memory_gb=peak,
+        step_seconds=run.seconds,
+        weight_distance=run.distance,
+        rewritten_sites=run.rewritten,
+    )
+    if memory and cfg.device == "cuda":  # the CPU demo stays short: no extra compiles
         result.loss_step_ms, result.loss_peak_memory_gb = _measure(
-            model, cfg, use_cce, "forward", steps=21
+            run.model, cfg, run.use_cce, "forward", steps=21, others=others
         )
         result.null_step_ms, result.null_peak_memory_gb = _measure(
-            model, cfg, use_cce, "null_loss", steps=21
+            run.model, cfg, run.use_cce, "null_loss", steps=21, others=others
         )
     return result
 
@@ -243,6 +448,7 @@ def _measure(
     batch: int | None = None,
     steps: int = 5,
     dynamic_batch: bool = False,
+    others: int = 0,
 ) -> tuple[float, float | None]:
     """(ms per fwd+bwd step, peak GB) of ``model.<loss_fn>`` at ``batch``; no optimizer step.
 
@@ -275,7 +481,8 @@ def _measure(
         times.append(time.perf_counter() - start)
     model.zero_grad(set_to_none=True)
     # The median: a 6 ms step timed over a few steps picked up host hiccups of a millisecond.
-    return 1000 * statistics.median(times), _peak_gb(cfg.device)
+    peak = _peak_gb(cfg.device)
+    return 1000 * statistics.median(times), None if peak is None else peak - others / 2**30
 
 
 def max_batch(

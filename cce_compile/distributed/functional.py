@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..functional import autocast_dtype, skips_ignored
+from ..functional import as_ignore_index, autocast_dtype, skips_ignored
 from ..loss_math import LossSpec
 from ..op_signature import LOSS_OPTIONS
 from . import ops as _ops
@@ -106,10 +106,11 @@ def vocab_parallel_cross_entropy(
     over a process group, no logits stored: ``cce_compile.linear_cross_entropy``'s loss and
     gradients over the whole vocabulary, from each rank's shard.
 
-    Every rank calls it with the same ``hidden``, ``targets`` and options (SPMD). Forward: two
-    all-reduces of N floats (row max; packed sum-exp, target logit and, with smoothing,
-    weighted sum). Backward (lean: the shard's logits are recomputed): hidden's gradient is
-    reduced once over the group; the classifier's and bias's stay local.
+    Every rank calls it with the same ``hidden``, ``targets`` and options (SPMD). Forward: one
+    all-gather of each rank's packed per-row lse, target logit and, with smoothing, weighted
+    sum (2 or 3 floats a row), combined locally. Backward (lean: the shard's logits are
+    recomputed): hidden's gradient is reduced once over the group; the classifier's and
+    bias's stay local.
 
     Args:
         hidden: (..., D), the same on every rank; or a DTensor on the classifier's mesh (any
@@ -131,7 +132,7 @@ def vocab_parallel_cross_entropy(
         ``return_lse`` the per-row lse over the whole vocabulary.
     """
     spec = LossSpec(
-        ignore_index=ignore_index,
+        ignore_index=as_ignore_index(ignore_index),
         reduction=reduction,
         label_smoothing=float(label_smoothing),
         softcap=None if softcap is None else float(softcap),
@@ -139,8 +140,6 @@ def vocab_parallel_cross_entropy(
         shift=shift,
         z_loss=float(z_loss),
     )
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     mesh = None
     if isinstance(classifier, DTensor):
         given = [n for n, v in (("vocab_start", vocab_start), ("vocab_size", vocab_size),

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..loss_math import can_be_ignored
 from .common import (
     TileConfig,
     capped_logits_tile,
@@ -259,6 +260,9 @@ def lse_forward(
         return partial_lse, target_logit, partial_wsum
     hidden_arg, classifier_arg, use_tma = operand_args(layout, classifier, config)
     grid = launch_grid(layout.n_positions, vocab, config, config.tiles_per_program)
+    # An ignore_index that no target can equal ignores no row (loss_math.valid_rows): no tile
+    # may be skipped then, whatever the kernel's comparison of targets with it would give.
+    skip_ignored = skip_ignored and can_be_ignored(ignore_index, targets.dtype)
     _lse_forward_kernel[grid](
         hidden_arg,
         classifier_arg,

@@ -311,6 +311,7 @@ def choose_site_mode(site: PlainSite, needs: tuple[bool, bool, bool]) -> str:
         dim=dim,
         logit_bytes=site.compute_dtype.itemsize,
         rounds_inputs=any(p.tensor_value(n).dtype != site.compute_dtype for n in operands),
+        device_type=p.tensor_value(site.hidden).device.type,
     )
     budget = policy.budget_bytes(problem, settings.memory_budget_mb, settings.memory_fraction)
     requested = "lean" if site_grad_filter(site) is not None else settings.mode

@@ -12,16 +12,29 @@ from cce_compile.demo.__main__ import main
 
 
 @pytest.mark.parametrize(
-    "arch, mode", [("gpt", None), ("gla", None), ("gpt", "lean")], ids=["gpt", "gla", "gpt-lean"]
+    "arch, mode, control",
+    [("gpt", None, False), ("gla", None, True), ("gpt", "lean", False)],
+    ids=["gpt", "gla-control", "gpt-lean"],
 )
-def test_demo_end_to_end(arch, mode, tmp_path, capsys):
+def test_demo_end_to_end(arch, mode, control, tmp_path, capsys, monkeypatch):
+    from cce_compile.demo import train
+
     # Dynamo would reuse an earlier test's graph for the same code and backend (its guards do
     # not see the mode), and the pass would not run again.
     torch._dynamo.reset()
     settings_before = cce_config.get()
+    order = []
+    train_step = train._Run.train_step
+
+    def recorded(run, i, x, y):
+        order.append((i, run.name))
+        return train_step(run, i, x, y)
+
+    monkeypatch.setattr(train._Run, "train_step", recorded)
     code = main(
         [
             *(["--mode", mode] if mode else []),
+            *(["--control"] if control else []),
             "--arch",
             arch,
             "--device",
@@ -52,17 +65,37 @@ def test_demo_end_to_end(arch, mode, tmp_path, capsys):
     assert cce_config.get() is settings_before  # --mode is scoped to the demo
     printed = capsys.readouterr().out
     assert "sites rewritten by the pass" in printed
-    assert "compiling (the first step takes" in printed
+    assert "side by side" in printed and "compiles on its first step" in printed
+    # CPU: no row that only a GPU measures, and nothing that reads n/a.
+    assert "n/a" not in printed and "max batch" not in printed and "share of" not in printed
+    assert "median of 2 blocks of 2 steps" in printed  # 6 steps, 2 of them warm-up
+    assert "Exactness, step 0" in printed
+    assert ("Control, torch.compile against itself" in printed) == control
+    png = tmp_path / "out" / f"demo_{arch}.png"
+    assert f"Picture: {png}" in printed and png.exists()
+    # Interleaved: both runs every step, the order swapped each step; the control first.
+    names = ["control"] if control else []
+    for i in range(6):
+        pair = ["torch.compile", "cce_compile"]
+        assert [name for step, name in order if step == i] == names + pair[:: 1 - 2 * (i % 2)]
     result = json.loads((tmp_path / "out" / f"demo_{arch}.json").read_text())
     baseline, fused = result["runs"]
     assert result["meta"]["settings"]["mode"] == (mode or settings_before.mode)
     assert baseline["rewritten_sites"] == 0 and fused["rewritten_sites"] >= 1
     assert len(baseline["losses"]) == len(fused["losses"]) == 6
+    assert len(baseline["step_seconds"]) == len(fused["step_seconds"]) == 6
+    assert len(result["speed"]["block_ratios"]) == 2 and result["speed"]["median"] > 0
     # Measured on the CPU too (one step's allocations), the same way for both runs.
     assert baseline["peak_memory_gb"] > 0 and fused["peak_memory_gb"] > 0
     diff = max(abs(a - b) for a, b in zip(baseline["losses"], fused["losses"]))
     assert diff < 1e-3, diff  # same seed, same data, same math (float32 on CPU)
-    assert (tmp_path / "out" / f"demo_{arch}.png").exists()
+    # Step 0: same weights, same batch: equal to rounding.
+    zero = result["step_zero"]
+    assert zero["loss_difference"] <= 4 * zero["loss_ulp"] and zero["grad_difference"] < 1e-5
+    if control:
+        assert result["control"]["rewritten_sites"] == 0
+        assert len(result["control"]["weight_distance"]) == 6
+        assert 0 < result["control_step_zero"]["grad_difference"] < 1e-4
 
 
 def _tiny_run_config():
@@ -142,3 +175,69 @@ def test_table_reports_memory_saved_against_the_logits():
     text = table(run("torch.compile", None), run("cce_compile", None), logits_mib=4096.0)
     assert "logits footprint (one step's N x V logits): 4,096 MiB" in text
     assert "saved" not in text
+
+
+def test_rows_nothing_measured_are_left_out():
+    from cce_compile.demo.report import table
+    from cce_compile.demo.train import RunResult
+
+    def run(name, max_batch=None):
+        result = RunResult(name, [3.0, 2.0], 1000.0, 10.0, 1.0)
+        result.max_batch = max_batch
+        return result
+
+    text = table(run("torch.compile"), run("cce_compile"), None)
+    assert "n/a" not in text and "max batch" not in text and "share of" not in text
+    assert "tokens/s (median step)" in text and "peak memory (GiB)" in text
+    text = table(run("torch.compile", 8), run("cce_compile"), None)  # one run measured it
+    assert "max batch that fits" in text and "n/a" in text
+
+
+def test_speed_pairs_blocks_of_both_orders():
+    from types import SimpleNamespace
+
+    from cce_compile.demo.train import _speed
+
+    cfg = SimpleNamespace(device="cpu")
+    # Two warm-up steps (compilation), then blocks of two; the 7th timed step makes no block.
+    baseline = SimpleNamespace(cfg=cfg, seconds=[9.0, 3.0, 1.0, 1.0, 2.0, 2.0, 1.0, 3.0, 5.0])
+    fused = SimpleNamespace(cfg=cfg, seconds=[1.0, 1.0, 0.5, 0.5, 2.0, 2.0, 4.0, 4.0, 1.0])
+    speed = _speed(baseline, fused, [1.0, 3.0])
+    assert speed.block_ratios == [2.0, 1.0, 0.5]
+    assert speed.median == 1.0 and speed.quartiles == (0.75, 1.5)
+    assert speed.load == (1.0, 3.0)
+    short = SimpleNamespace(cfg=cfg, seconds=[1.0, 1.0, 1.0])
+    assert _speed(short, short, []) is None
+
+
+def _comparison(fused_gap, control_gap=None, fused_distance=1e-3, control_distance=1e-3):
+    from cce_compile.demo.train import Comparison, RunResult, StepZero
+
+    def run(name, gap, distance):
+        losses = [10.0 + gap * (i / 9) for i in range(10)]
+        return RunResult(name, losses, 1.0, 1.0, None, weight_distance=[distance] * 10)
+
+    zero = StepZero(9.5e-7, 9.5e-7, 5e-7, "wte.weight", 1e-6)
+    return Comparison(
+        run("torch.compile", 0.0, 0.0),
+        run("cce_compile", fused_gap, fused_distance),
+        None,
+        zero,
+        control=None if control_gap is None else run("control", control_gap, control_distance),
+        control_step_zero=None if control_gap is None else zero,
+    )
+
+
+def test_exactness_verdicts():
+    from cce_compile.demo.report import exactness_text
+
+    def text(*args, **kwargs):
+        return " ".join(exactness_text(_comparison(*args, **kwargs)).split())
+
+    assert "agree to float32 rounding at every step" in text(1e-6)
+    assert "--control trains torch.compile against itself" in text(2e-2)
+    alike = text(2e-2, 1e-2, fused_distance=2e-3, control_distance=1e-3)
+    assert "drift apart alike" in alike and "chaos, not a difference in the math" in alike
+    apart = text(2e-2, 1e-6, fused_distance=1e-2, control_distance=1e-6)
+    assert "look for a difference in the math" in apart
+    assert "Both pairs agree to float32 rounding" in text(1e-6, 1e-6)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from cce_compile.demo.__main__ import parse
+from cce_compile.demo.__main__ import build_parser, parse
 from cce_compile.demo.train import step_peak_bytes
 
 
@@ -18,6 +18,13 @@ def test_help_keeps_one_example_per_line(capsys):
     lines = capsys.readouterr().out.splitlines()
     examples = [line for line in lines if line.startswith("python -m cce_compile.demo ")]
     assert len(examples) == 3 and any("--arch gla" in line for line in examples), lines
+
+
+def test_every_option_is_described(capsys):
+    options = [a for a in build_parser()._actions if a.option_strings and a.dest != "help"]
+    assert len(options) >= 17
+    for action in options:
+        assert action.help and len(action.help) > 15, action.option_strings
 
 
 def test_memory_profile_drops_kineto_lines_and_keeps_the_rest(capfd):

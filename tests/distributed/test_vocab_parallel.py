@@ -3,9 +3,15 @@
 Each rank builds the same full case, keeps its DTensor-style shard of the classifier (uneven:
 the first ranks get ceil(V / world) classes), computes the loss and gradients with
 ``vocab_parallel_cross_entropy``, and compares the loss, hidden's gradient and its own rows of
-the classifier's and bias's gradients with the single-process oracle. The collectives each
-call issued are counted: two all-reduces forward, one backward (where hidden needs a
-gradient), whatever the vocabulary size.
+the classifier's and bias's gradients with the single-process oracle.
+
+Every collective that reaches gloo during the forward and during the backward is recorded
+from the profiler (``comm_trace``: the op's own, DTensor's, any other), with what this rank
+sent, and so are the operations that synchronise the host on a GPU. Per call the op issues
+one all-gather forward, of 2 float32 a kept row (3 with label smoothing): each rank's packed
+lse, target logit (and weighted sum); and backward only hidden's gradient reduction, of the
+kept rows, by the op (plain tensors) or by DTensor (DTensor inputs). The forward's one
+synchronisation is compaction's (``nonzero``), the backward has none.
 
 All cases of one world size run in one spawn (module-scoped fixture); each case is its own
 test id.
@@ -13,14 +19,16 @@ test id.
 
 from __future__ import annotations
 
-import contextlib
 import traceback
 
 import launcher
 import pytest
 import torch
+from comm_trace import traced
 from oracle import GRAD_RTOL, LOSS_RTOL, gradient_scale, loss_scale, oracle, rel_error
 from strategies import build_case
+
+from cce_compile.loss_math import valid_rows
 
 VOCAB = 4097  # odd: uneven shards on 2 and 4 ranks
 
@@ -28,6 +36,15 @@ VOCAB = 4097  # odd: uneven shards on 2 and 4 ranks
 CASES = {
     "plain": (dict(), dict()),
     "ignore_index": (dict(ignore_index=-1, ignored_fraction=0.4), dict()),
+    # int32 targets wrap 2**32 + 5 to class 5, which must still count (PyTorch: int64)
+    "int32-ignore_index_outside_int32": (
+        dict(target_dtype=torch.int32, ignore_index=2**32 + 5, ignored_fraction=0.4),
+        dict(),
+    ),
+    "ignore_index-0d_tensor": (
+        dict(ignore_index=7, ignored_fraction=0.4),
+        dict(ignore_index_as=torch.tensor),
+    ),
     "smoothing-class_weights": (dict(label_smoothing=0.1, class_weights=True), dict()),
     "z_loss": (dict(z_loss=1e-3), dict()),
     "softcap-logit_scale": (dict(softcap=3.0, logit_scale=1.7), dict()),
@@ -36,6 +53,36 @@ CASES = {
     "none-shift1": (dict(reduction="none", shift=1), dict()),
     "return_lse": (dict(z_loss=1e-4), dict(return_lse=True)),
     "all_ignored": (dict(ignored_fraction=1.0), dict()),
+    "every_row": (dict(ignored_fraction=0.4), dict(skip_ignored=False)),
+    # Half the rows ignored (compacted away before the all-gather) under every reduction.
+    "ignored-sum-smoothing-softcap": (
+        dict(reduction="sum", ignored_fraction=0.5, label_smoothing=0.1, softcap=2.5),
+        dict(),
+    ),
+    "ignored-none-weights-smoothing-z_loss": (
+        dict(
+            reduction="none",
+            ignored_fraction=0.5,
+            class_weights=True,
+            label_smoothing=0.2,
+            z_loss=1e-3,
+        ),
+        dict(),
+    ),
+    "ignored-mean-every_row-smoothing-softcap": (
+        dict(ignored_fraction=0.5, label_smoothing=0.1, softcap=3.0, logit_scale=0.5),
+        dict(skip_ignored=False),
+    ),
+    "ignored-none-return_lse": (
+        dict(reduction="none", ignored_fraction=0.5),
+        dict(return_lse=True),
+    ),
+    "ignore_index_0-full_smoothing": (dict(ignore_index=0, label_smoothing=1.0), dict()),
+    "int32_targets-shift2": (dict(target_dtype=torch.int32, shift=2, ignored_fraction=0.3), dict()),
+    "bf16-ignored-smoothing-softcap": (
+        dict(dtype=torch.bfloat16, ignored_fraction=0.5, label_smoothing=0.1, softcap=30.0),
+        dict(),
+    ),
     "bf16": (dict(dtype=torch.bfloat16, bias=True), dict()),
     "no_hidden_grad": (dict(), dict(hidden_grad=False)),
     "compiled-aot_eager": (dict(bias=True, label_smoothing=0.1), dict(compile="aot_eager")),
@@ -43,7 +90,15 @@ CASES = {
     "dtensor-replicated": (dict(bias=True), dict(dtensor="replicate")),
     "dtensor-sequence_parallel": (dict(), dict(dtensor="sequence")),
 }
-WORLD4_CASES = ["plain", "smoothing-class_weights", "bias", "compiled-aot_eager", "tiny_vocab"]
+WORLD4_CASES = [
+    "plain",
+    "smoothing-class_weights",
+    "bias",
+    "compiled-aot_eager",
+    "tiny_vocab",
+    "ignored-none-weights-smoothing-z_loss",
+    "ignore_index_0-full_smoothing",
+]
 TINY_VOCAB = 3  # fewer classes than 4 ranks: the last rank's shard is empty
 
 
@@ -55,9 +110,9 @@ def _shard(vocab: int, rank: int, world: int) -> tuple[int, int]:
 
 def _run_case(name: str, rank: int, world: int, mesh) -> dict:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.debug import CommDebugMode
 
-    from cce_compile.distributed import collectives, vocab_parallel_cross_entropy
+    import cce_compile
+    from cce_compile.distributed import vocab_parallel_cross_entropy
 
     case_opts, call = CASES.get(name, (dict(), dict()))
     vocab = TINY_VOCAB if name == "tiny_vocab" else VOCAB
@@ -69,7 +124,7 @@ def _run_case(name: str, rank: int, world: int, mesh) -> dict:
     classifier = case.classifier[start : start + rows].clone().requires_grad_()
     bias = None if case.bias is None else case.bias[start : start + rows].clone().requires_grad_()
     options = case.options()
-    comm = CommDebugMode()
+    options["ignore_index"] = call.get("ignore_index_as", int)(options["ignore_index"])
     mode = call.get("dtensor")
     if mode is None:
         shard_args = dict(vocab_start=start, vocab_size=vocab, group=mesh.get_group())
@@ -91,18 +146,17 @@ def _run_case(name: str, rank: int, world: int, mesh) -> dict:
     if "compile" in call:
         torch._dynamo.reset()
         fn = torch.compile(fn, backend=call["compile"], fullgraph=True)
-    collectives.ISSUED.clear()
     return_lse = call.get("return_lse", False)
-    with comm if "compile" not in call else contextlib.nullcontext():
+    settings = dict(skip_ignored=call.get("skip_ignored", True))
+    with cce_compile.config.override(**settings), traced() as forward:
         out = fn(*inputs, **shard_args, **options, return_lse=return_lse)
-        ours = out if isinstance(out, tuple) else (out,)
-        forward_collectives = sum(collectives.ISSUED.values())
-        gen = torch.Generator().manual_seed(7)
-        upstream = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in ours]
-        ours = [o.full_tensor() if isinstance(o, DTensor) else o for o in ours]
-        total = sum((o.double() * u).sum() for o, u in zip(ours, upstream))
+    ours = out if isinstance(out, tuple) else (out,)
+    gen = torch.Generator().manual_seed(7)
+    upstream = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in ours]
+    ours = [o.full_tensor() if isinstance(o, DTensor) else o for o in ours]
+    total = sum((o.double() * u).sum() for o, u in zip(ours, upstream))
+    with traced() as backward:
         total.backward()
-    backward_collectives = sum(collectives.ISSUED.values()) - forward_collectives
 
     for t in case.leaves():
         t.requires_grad_()
@@ -143,12 +197,38 @@ def _run_case(name: str, rank: int, world: int, mesh) -> dict:
         errors[f"grad_{label}_dtype"] = (float(grad.dtype != leaf.dtype), 0.0)
     return dict(
         errors=errors,
-        forward_collectives=forward_collectives,
-        backward_collectives=backward_collectives,
-        dtensor_collectives=None
-        if "compile" in call
-        else {str(k): v for k, v in comm.get_comm_counts().items()},
+        outputs=[o.detach().double().tolist() for o in ours],  # (a tensor cannot leave)
+        forward=[c.key for c in forward.collectives],
+        backward=[c.key for c in backward.collectives],
+        forward_syncs=dict(forward.syncs),
+        backward_syncs=dict(backward.syncs),
+        expected=_expected_collectives(case, call, world),
     )
+
+
+def _expected_collectives(case, call: dict, world: int) -> dict:
+    """(kind, elements sent, dtype) of each collective forward and backward: the op's one
+    packed all-gather of the kept rows' statistics, and hidden's gradient reduction (of the
+    kept rows by the op; of every row by DTensor), plus DTensor's gather of a sequence-sharded
+    hidden. No collective of no rows: every rank knows the count."""
+    batch, time, dim = case.hidden.shape
+    rows = batch * (time - case.shift)
+    valid = int(valid_rows(case.targets[:, case.shift :], case.ignore_index).sum())
+    compacts = call.get("skip_ignored", True) and not call.get("return_lse", False)
+    kept = valid if compacts else rows
+    packed = 3 if case.label_smoothing > 0 else 2
+    dtype = str(case.hidden.dtype).removeprefix("torch.")
+    forward = [("all_gather", packed * kept, "float32")] if kept else []
+    backward = []
+    mode = call.get("dtensor")
+    if mode == "sequence":  # DTensor gathers hidden, and reduce-scatters its gradient
+        forward.insert(0, ("all_gather", batch * time * dim // world, dtype))
+        backward.append(("reduce_scatter", batch * time * dim, dtype))
+    elif mode == "replicate":  # from_local's backward reduces the Partial gradient
+        backward.append(("all_reduce", batch * time * dim, dtype))
+    elif call.get("hidden_grad", True) and kept:
+        backward.append(("all_reduce", kept * dim, "float32"))
+    return dict(forward=forward, backward=backward, compacts=compacts)
 
 
 def _worker(rank: int, world: int, names: list[str]) -> dict:
@@ -180,21 +260,28 @@ def _check(results: list[dict], name: str) -> None:
         assert "error" not in got, f"rank {rank}:\n{got.get('error')}"
         for label, (err, tol) in got["errors"].items():
             assert err <= tol, f"rank {rank}: {label} relative error {err:.3e} > {tol:.1e}"
+        expected = got["expected"]
+        assert got["forward"] == expected["forward"], got
+        assert got["backward"] == expected["backward"], got
         _, call = CASES.get(name, (dict(), dict()))
-        # The op's own collectives: the row max and the packed sums; hidden's gradient once.
-        assert got["forward_collectives"] == 2, got
-        reduces_in_op = call.get("dtensor") is None and call.get("hidden_grad", True)
-        assert got["backward_collectives"] == int(reduces_in_op), got
-        dtensor = got["dtensor_collectives"]
-        if call.get("dtensor") == "replicate":  # from_local's backward: one all-reduce
-            assert dtensor == {"c10d_functional.all_reduce": 1}, dtensor
-        elif call.get("dtensor") == "sequence":  # gather forward, reduce-scatter backward
-            assert dtensor == {
-                "c10d_functional.all_gather_into_tensor": 1,
-                "c10d_functional.reduce_scatter_tensor": 1,
-            }, dtensor
-        elif dtensor is not None:
-            assert dtensor == {}, dtensor
+        if "compile" in call:  # compiling synchronises at will; the run is the eager one's
+            continue
+        # Scalar reads that are no device sync on a GPU: call_plan.check_targets' range check
+        # (CPU only, unless check_targets is set), and for a DTensor classifier DTensor's own
+        # shard-offset arithmetic (on a CPU tensor: tensor._utils._get_first_offset); an
+        # ignore_index given as a tensor is read once, as F.cross_entropy reads it.
+        scalar_reads = 1 + ("dtensor" in call) + (call.get("ignore_index_as") is torch.tensor)
+        assert got["forward_syncs"] == {
+            "_local_scalar_dense": scalar_reads,
+            **({"nonzero": 1} if expected["compacts"] else {}),
+        }, got["forward_syncs"]
+        assert got["backward_syncs"] == {}, got["backward_syncs"]
+    # Every rank combines the same gathered rows in the same order: the same bits everywhere.
+    first = results[0][name]["outputs"]
+    for rank, per_rank in enumerate(results[1:], 1):
+        for mine, theirs in zip(per_rank[name]["outputs"], first):
+            mine, theirs = torch.tensor(mine).nan_to_num(), torch.tensor(theirs).nan_to_num()
+            assert torch.equal(mine, theirs), f"rank {rank} differs"
 
 
 @pytest.mark.parametrize("name", list(CASES))

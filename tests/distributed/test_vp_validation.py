@@ -3,6 +3,7 @@ before any collective (so these run in one process, without a process group)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -56,3 +57,19 @@ def _call(**changes):
 def test_bad_argument_is_named(changes, error, names):
     with pytest.raises(error, match=names):
         _call(**changes)
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        pytest.param(True, TypeError, id="bool"),
+        pytest.param(np.bool_(True), TypeError, id="numpy-bool"),
+        pytest.param(torch.tensor(True), TypeError, id="bool-tensor"),
+        pytest.param(torch.tensor(3.0), TypeError, id="float-tensor"),
+        pytest.param(-100.0, TypeError, id="float"),
+        pytest.param(2**63, ValueError, id="above-int64"),
+    ],
+)
+def test_ignore_index_refused_like_pytorch(value, error):
+    with pytest.raises(error, match="ignore_index"):
+        _call(ignore_index=value)

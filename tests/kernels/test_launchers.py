@@ -70,6 +70,43 @@ def test_lse_forward_partials(softcap):
     )
 
 
+@pytest.mark.parametrize(
+    ("ignore_index", "skipped"),
+    [(2**32 + 5, False), (2**40 + 5, False), (-(2**40), False), (5, True)],
+    ids=["2^32+5", "2^40+5", "-2^40", "in-range-5"],
+)
+def test_lse_forward_skips_only_tiles_of_ignored_rows_of_int32_targets(ignore_index, skipped):
+    # Every target is 5 (int32): only ignore_index 5 ignores them, as PyTorch compares in
+    # int64; the others wrap to 5 or 0 in int32 and must not skip a tile of counted rows.
+    from cce_compile.kernels.lse_forward import lse_forward
+
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2, 9, 37, generator=gen).to(DEVICE)
+    classifier = (torch.randn(20, 37, generator=gen) / 6).to(DEVICE)
+    targets = torch.full((2, 9), 5, dtype=torch.int32, device=DEVICE)
+    targets[1] = ignore_index % 2**32  # its int32 wrap-around: 5, 5, 0 (and 5 itself)
+    partial, _, _ = lse_forward(
+        hidden,
+        classifier,
+        targets,
+        None,
+        None,
+        shift=0,
+        ignore_index=ignore_index,
+        logit_scale=1.0,
+        softcap=0.0,
+        skip_ignored=True,
+        needs_wsum=False,
+        config=small_config(),
+    )
+    lse = torch.logsumexp(partial, 0)
+    if skipped:
+        assert torch.all(lse == float("-inf"))  # never read: the tiles cost nothing
+    else:
+        z = logits64(hidden, classifier, None, 0, 1.0, 0.0)
+        torch.testing.assert_close(lse.double(), torch.logsumexp(z, -1), rtol=1e-6, atol=1e-6)
+
+
 def test_logit_grad_slab_matches_formula():
     from cce_compile.kernels.logit_grad import logit_grad
 

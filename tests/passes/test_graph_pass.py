@@ -6,15 +6,18 @@ import dataclasses
 import logging
 import operator
 
+import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from harness import OP, check, hook_enabled
+from oracle import GRAD_RTOL, LOSS_RTOL, assert_close
+from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.utils import counters
 
 import cce_compile
 from cce_compile import config
-from cce_compile.passes.graph_pass import CCEGraphPass, pass_uuid, run_pass
+from cce_compile.passes.graph_pass import CCEGraphPass, pass_uuid, run_on_module, run_pass
 
 
 def loss(x, w, y):
@@ -79,9 +82,10 @@ def test_every_setting_that_changes_the_rewrite_changes_the_uuid():
         return F.cross_entropy(logits.view(-1, w.shape[0]), y.view(-1)), logits
 
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, 64, generator=gen, requires_grad=True)
+    # 600 rows: a 1 MiB budget holds fewer fast rows than the floor, 4 GiB all of them.
+    x = torch.randn(2, 300, 64, generator=gen, requires_grad=True)
     w = torch.randn(4096, 64, generator=gen, requires_grad=True)
-    y = torch.randint(0, 4096, (2, 3), generator=gen)
+    y = torch.randint(0, 4096, (2, 300), generator=gen)
     emitted = {}
     for name, values in SETTING_VALUES.items():
         for value in values:
@@ -113,9 +117,10 @@ def test_warm_cache_compiled_under_another_budget_is_not_replayed(monkeypatch):
         execution, "forward", lambda args: modes.append(args.mode) or real_forward(args)
     )
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, 64, generator=gen, requires_grad=True)
+    # 600 rows: a 1 MiB budget holds fewer fast rows than the floor, 4 GiB all of them.
+    x = torch.randn(2, 300, 64, generator=gen, requires_grad=True)
     w = torch.randn(4096, 64, generator=gen, requires_grad=True)
-    y = torch.randint(0, 4096, (2, 3), generator=gen)
+    y = torch.randint(0, 4096, (2, 300), generator=gen)
     with (
         fresh_cache(),
         hook_enabled(),
@@ -260,3 +265,38 @@ def test_emitted_arguments_resolve_nodes_inside_slices():
     start.meta["example_value"], stop.meta["example_value"] = 1, 4
     resolved = predicates.example_args(((slice(None), slice(start, stop)), [stop]))
     assert resolved == ((slice(None), slice(1, 4)), [4])
+
+
+@pytest.mark.parametrize("skip", [True, False], ids=["skipping", "not-skipping"])
+@pytest.mark.parametrize(
+    "ignore_index", [2**32 + 5, 2**40, -(2**40), 5], ids=["2^32+5", "2^40", "-2^40", "in-range-5"]
+)
+def test_int32_targets_ignore_the_rows_pytorch_ignores(ignore_index, skip):
+    """F.cross_entropy compares targets with ignore_index as int64: one int32 cannot hold
+    ignores no row, though int32 targets wrap it (2**32 + 5 -> 5, +-2**40 -> 0)."""
+
+    def int32_loss(x, w, y):
+        logits = F.linear(x, w).view(-1, w.shape[0])
+        return F.cross_entropy(logits, y.view(-1), ignore_index=ignore_index, reduction="sum")
+
+    x, w, y = small_inputs(seed=3)
+    y[:, ::2] = ignore_index % 2**32  # int32's wrap-around of it: what must still count
+    y = y.to(torch.int32)
+    graphs = []
+
+    def backend(gm, example_inputs):  # the pass, then AOTAutograd without Inductor (fast)
+        run_on_module(gm)
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    torch._dynamo.reset()
+    with config.override(skip_ignored=skip):
+        got = torch.compile(int32_loss, backend=backend, fullgraph=True)(x, w, y)
+    assert OP in [n.target for gm in graphs for n in gm.graph.nodes]  # eager refuses int32
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    want = int32_loss(x64, w64, y.long())
+    assert_close("loss", got, want, LOSS_RTOL[torch.float32])
+    for name, g, e in zip(
+        ("x", "w"), torch.autograd.grad(got, (x, w)), torch.autograd.grad(want, (x64, w64))
+    ):
+        assert_close(f"grad {name}", g, e, GRAD_RTOL[torch.float32])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -254,3 +255,59 @@ def test_enable_raises_a_bad_environment_setting_at_once(monkeypatch):
     monkeypatch.setattr(config, "_environ_error", error)
     with pytest.raises(config.SettingsError, match="CCE_MODE='turbo'"):
         cce_compile.enable()
+
+
+# The start-up hook as the repository's .pth file runs it: `python -S` (no site-packages, so no
+# installed copy of the .pth runs), then site's own processing of the repository root, where
+# the .pth lies (it also puts the repository's cce_compile on sys.path).
+PTH_PROBE = (
+    "import json, site, sys; site.addsitedir(sys.argv[1]); "
+    "hook = any(type(f).__name__ == '_AfterTorchImport' for f in sys.meta_path); "
+    "print(json.dumps([sorted(m for m in sys.modules if m.startswith('cce_compile')), hook]))"
+)
+
+
+def _start(**environ: str) -> tuple[list[str], bool]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CCE_") and k != "PYTHONPATH"}
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", PTH_PROBE, str(REPO)],
+        env=env | environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0 and "Error processing line" not in result.stderr, result.stderr
+    modules, hook = json.loads(result.stdout)
+    return modules, hook
+
+
+def test_start_up_imports_nothing_without_a_cce_variable():
+    assert _start() == ([], False)
+
+
+def test_start_up_with_cce_compile_installs_the_hook():
+    modules, hook = _start(CCE_COMPILE="1")
+    assert "cce_compile._autoenable" in modules and "cce_compile.config" in modules and hook
+
+
+@pytest.mark.parametrize("value", ["0", "off", ""])
+def test_start_up_with_cce_compile_off_installs_nothing(value):
+    assert _start(CCE_COMPILE=value)[1] is False
+
+
+@pytest.mark.slow
+def test_installed_wheel_imports_nothing_at_start_up_without_a_cce_variable(installed_venv):
+    code = "import sys; print(sorted(m for m in sys.modules if m.startswith('cce_compile')))"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CCE_") and k != "PYTHONPATH"}
+    runs = {
+        value: subprocess.run(
+            [str(installed_venv), "-c", code],
+            env=env if value is None else env | {"CCE_COMPILE": value},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        for value in (None, "1")
+    }
+    assert runs[None].stdout.strip() == "[]", runs[None].stderr
+    assert "cce_compile._autoenable" in runs["1"].stdout, runs["1"].stderr
