@@ -239,7 +239,8 @@ def torch_logs_names_cce(environ: Mapping[str, str]) -> bool:
 
 if torch_logs_names_cce(os.environ):
     # torch refuses a TORCH_LOGS name it does not know when it is imported: register 'cce'
-    # before (this module is imported at interpreter start where the start-up hook is).
+    # before (the start-up hook's .pth imports this module at interpreter start when
+    # TORCH_LOGS names cce).
     from .passes import logs
 
     logs.register_before_torch()

@@ -16,6 +16,8 @@ def test_defaults_without_environment():
     settings = config.from_environ({})
     assert settings == config.Settings()
     assert settings.mode == "auto" and not settings.auto_enable
+    # Whole-model compile (the HF Trainer's torch_compile=True) fuses with no setting.
+    assert settings.escaping_logits == "drop"
 
 
 def test_every_variable_is_read():

@@ -55,7 +55,6 @@ _VALUE_READS = {
     torch.Tensor.__complex__,
     torch.Tensor.__array__,
     torch.Tensor.__dlpack__,
-    torch.Tensor.__reduce_ex__,
     torch.Tensor.data_ptr,
     torch.Tensor.untyped_storage,
     torch.Tensor.storage,

@@ -429,7 +429,9 @@ def _sizes(emit: Emitter, shape: Any, sources: list[Node]) -> list[Any]:
     sizes: list[Any] = []
     for size in shape:
         source = p.size_source(size, holders, sources)
-        if isinstance(source, tuple):
+        if isinstance(source, tuple) and source[1] == "numel":
+            source = emit(aten.sym_numel.default, source[0])
+        elif isinstance(source, tuple):
             tensor, dim = source
             ndim = p.tensor_value(tensor).dim()
             dims = [dim] if dim is not None else range(ndim - 1)

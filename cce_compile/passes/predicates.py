@@ -355,7 +355,8 @@ def symint_holders(graph) -> dict[str, Node]:
 def size_source(size: Any, holders: dict[str, Node], sources: list[Node]) -> Any:
     """Where a size can be read without the tensor that has it: the int itself, a node holding
     the SymInt, ``(source, i)`` for dim i of a source tensor, ``(source, None)`` for the product
-    of all but its last dim (a flattening view of the logits); None if nowhere."""
+    of all but its last dim (a flattening view of the logits), ``(source, "numel")`` for its
+    number of elements (logits flattened to the rows of the targets); None if nowhere."""
     if not isinstance(size, torch.SymInt):
         return int(size)
     if size.node.maybe_as_int() is not None:  # a SymInt specialised to a constant
@@ -371,6 +372,8 @@ def size_source(size: Any, holders: dict[str, Node], sources: list[Node]) -> Any
                 return source, i
         if value.dim() > 1 and same_size(math.prod(value.shape[:-1]), size):
             return source, None
+        if value.dim() > 1 and same_size(math.prod(value.shape), size):
+            return source, "numel"
     return None
 
 

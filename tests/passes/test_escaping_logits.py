@@ -39,6 +39,13 @@ def returns_softcapped_float_logits(x, w, y):
     return F.cross_entropy(logits.view(-1, V), y.view(-1)), logits
 
 
+def returns_shifted_flat_logits(x, w, y):
+    """Their row count, B x (T - 1), is read from the shifted targets' numel for the
+    placeholder (dynamic sizes)."""
+    logits = F.linear(x, w)[:, :-1].reshape(-1, V)
+    return F.cross_entropy(logits, y[:, 1:].reshape(-1)), logits
+
+
 def returns_upcast_logits(x, w, y):
     """What accelerate's mixed-precision wrapper makes of a bf16 model's output, traced into
     the graph: the returned logits are a float32 cast of the head's."""
@@ -47,7 +54,9 @@ def returns_upcast_logits(x, w, y):
 
 
 @pytest.mark.parametrize(
-    "fn", [returns_logits, returns_softcapped_float_logits], ids=["linear", "softcapped-float"]
+    "fn",
+    [returns_logits, returns_softcapped_float_logits, returns_shifted_flat_logits],
+    ids=["linear", "softcapped-float", "shifted-flat"],
 )
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 def test_default_fuses_a_training_loss_and_returns_a_placeholder(fn, dynamic):

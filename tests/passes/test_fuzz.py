@@ -61,7 +61,10 @@ class Model:
             reasons.add("unsupported_op_in_chain")  # scaled after the softcap
         if "slice" in chain and "view" in chain[: chain.index("slice")]:
             reasons.add("unsupported_op_in_chain")  # rows sliced after a reshape
-        if self.extra in ("returned", "second-loss"):
+        # Returned logits: fused, with a placeholder in their place, where the loss trains
+        # (CCE_ESCAPING_LOGITS=drop, the default); kept as they are where it does not.
+        untrained = self.hazard in ("no-grad-head", "detach-logits")
+        if self.extra == "second-loss" or (self.extra == "returned" and untrained):
             reasons.add("logits_escape")
         if self.hazard in ("mutate-hidden", "mutate-logits"):
             reasons.add("mutation_in_region")
@@ -193,13 +196,17 @@ def _run(model, sizes, seed, backend, dynamic):
     batch, time, dim, vocab = sizes
     args = make_inputs(batch, time, dim, vocab, seed)
     extra = [make_inputs(batch + 1, time + 2, dim, vocab, seed + 1)] if dynamic else []
+    # Returned logits: a placeholder where the site is fused (Model.legal); where it is left
+    # alone, backward through them too.
+    dropped = model.extra == "returned" and not model.legal()
     outcome = check(
         model,
         args,
         backend=backend,
         dynamic=dynamic,
         extra_calls=extra,
-        backward_all=model.extra == "returned",
+        backward_all=model.extra == "returned" and not dropped,
+        dropped_logits=dropped,
     )
     reasons = model.legal()
     if not reasons:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
-import site
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 import torch
@@ -102,8 +102,12 @@ def test_tlparse_artifacts_hold_the_sites_and_the_rewritten_graph():
     assert "torch.ops.cce.linear_cross_entropy" in artifacts["cce_compile_rewritten_graph"]
 
 
+# Run with `python -S`: the repository's .pth as site-packages' copy of it runs at start-up
+# (site.addsitedir), then the environment's packages on sys.path without their .pth files.
 SCRIPT = """
-import sys
+import site, sys
+site.addsitedir(sys.argv[1])
+sys.path.extend(sys.argv[2:])
 assert "torch" not in sys.modules, "start-up must not import torch"
 import torch, torch.nn.functional as F
 from cce_compile.passes.graph_pass import run_on_module
@@ -119,22 +123,17 @@ torch.compile(step, backend=pass_only)(x, w, y).backward()
 """
 
 
-def _start_up_hook_installed() -> bool:
-    return any(
-        (pathlib.Path(path) / "cce_compile_autoenable.pth").exists()
-        for path in site.getsitepackages()
-    )
-
-
-@pytest.mark.skipif(not _start_up_hook_installed(), reason="needs the installed start-up hook")
 def test_torch_logs_in_the_environment_at_start_up():
-    """torch reads TORCH_LOGS when it is imported and refuses names it does not know: cce is
-    registered before, by config.py, which the start-up hook imports at interpreter start
-    (here the source tree's, through PYTHONPATH)."""
-    pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "TORCH_LOGS": "+cce", "PYTHONPATH": pythonpath}
+    """torch reads TORCH_LOGS when it is imported and refuses names it does not know: the
+    start-up hook (its .pth runs when TORCH_LOGS names cce) registers cce before."""
+    packages = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CCE_") and k != "PYTHONPATH"}
     run = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-S", "-c", SCRIPT, str(ROOT), *packages],
+        env=env | {"TORCH_LOGS": "+cce"},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "cce_compile: fused the cross-entropy at" in run.stderr, run.stderr[-3000:]
