@@ -116,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the op's mode for the cce_compile run: lean recomputes in the backward, fast "
         "computes gradients in the forward, auto picks (default: CCE_MODE, else auto)",
     )
+    model.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch's intra-op CPU threads for every run (default: torch's own choice, one "
+        "per core; 1 can help where other work shares the cores)",
+    )
     measure = parser.add_argument_group("measurements")
     measure.add_argument(
         "--control",
@@ -159,8 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parse(argv)
     changes = {"mode": args.mode} if args.mode else {}
-    with cce_config.override(**changes):  # restored afterwards: tests call main() in-process
-        return _run(args)
+    threads = torch.get_num_threads()
+    try:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        with cce_config.override(**changes):  # restored afterwards: tests call main() in-process
+            return _run(args)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -117,14 +117,14 @@ def _machine(speed) -> str:
         return ""
     low, high = speed.load
     text = (
-        f" Machine load (1-minute average) {low:.1f}-{high:.1f} on {speed.cores} cores, torch "
-        f"using {speed.threads} threads."
+        f" Machine load (1-minute average) {low:.1f}-{high:.1f} on {speed.cores} cores; torch's "
+        f"threads: {speed.threads}."
     )
-    if speed.cores and high > speed.cores and speed.on_cpu:
+    if speed.cores and high > speed.cores and speed.on_cpu and (speed.threads or 0) > 1:
         text += (
             " Other work shared the cores: the op's CPU path (many small GEMMs, each a "
             "parallel region) loses more to that than torch.compile's one large GEMM, so expect "
-            "a lower ratio than on an idle machine."
+            "a lower ratio than on an idle machine; --threads 1 loses less."
         )
     return text
 
@@ -249,9 +249,11 @@ def save(out_dir: pathlib.Path, meta: dict, comparison: Comparison) -> pathlib.P
     if control is not None:
         pairs.append(("control (compile, 1 ulp)", control, "tab:orange"))
     for label, run, color in pairs:
-        gap = [abs(a - b) for a, b in zip(baseline.losses, run.losses)]
+        gaps = [abs(a - b) for a, b in zip(baseline.losses, run.losses)]
+        steps = [i for i, g in enumerate(gaps) if g > 0]
+        sizes = [gaps[i] for i in steps]
         drift.semilogy(
-            [max(g, 1e-9) for g in gap], ".", color=color, label=f"{label}: |loss difference|"
+            steps, sizes, ".", color=color, label=f"{label}: |loss difference| (0: not drawn)"
         )
         drift.semilogy(run.weight_distance, "-", color=color, label=f"{label}: weight distance")
     drift.set_xlabel("step")
@@ -262,6 +264,9 @@ def save(out_dir: pathlib.Path, meta: dict, comparison: Comparison) -> pathlib.P
     bars.bar([0, 1], rates, color=["tab:gray", "tab:blue"])
     bars.set_xticks([0, 1], names)
     bars.set_ylabel("thousand tokens/s (median step)")
+    if speed is not None:
+        q1, q3 = speed.quartiles
+        bars.set_title(f"cce_compile: {speed.median:.2f}x (quartiles {q1:.2f}-{q3:.2f}x)")
     if baseline.peak_memory_gb is not None:
         memory = bars.twinx()
         memory.plot([0, 1], [baseline.peak_memory_gb, fused.peak_memory_gb], "o", color="tab:red")

@@ -320,12 +320,19 @@ def compare(
     timed = [baseline, fused]
     data = batches(ids, cfg.batch, cfg.model.context, cfg.seed, cfg.device)
     loads = []
+    zero = control_zero = None
     for i in range(cfg.steps):
         x, y = next(data)
         if control is not None:  # untimed, before both: whichever runs next follows it
             control.train_step(i, x, y)
         for run in timed if i % 2 == 0 else timed[::-1]:
             run.train_step(i, x, y)
+        if i == 0:
+            zero = _step_zero(fused, baseline)
+            control_zero = None if control is None else _step_zero(control, baseline)
+            for run in (baseline, fused, control):
+                if run is not None:
+                    run.first_grads = {}  # compared: not held through the run
         load = _load()
         if load is not None and i >= WARM_STEPS:
             loads.append(load)
@@ -339,11 +346,13 @@ def compare(
     held = sum(r.resident_bytes() for r in runs)
     results = [_result(r, tokens, ids, others=held - r.resident_bytes()) for r in timed]
     comparison = Comparison(
-        *results, speed=_speed(baseline, fused, loads), step_zero=_step_zero(fused, baseline)
+        *results,
+        speed=_speed(baseline, fused, loads),
+        step_zero=zero,
+        control_step_zero=control_zero,
     )
     if control is not None:
         comparison.control = _result(control, tokens, ids, memory=False)
-        comparison.control_step_zero = _step_zero(control, baseline)
     return comparison
 
 

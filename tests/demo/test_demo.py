@@ -13,7 +13,7 @@ from cce_compile.demo.__main__ import main
 
 @pytest.mark.parametrize(
     "arch, mode, control",
-    [("gpt", None, False), ("gla", None, True), ("gpt", "lean", False)],
+    [("gpt", None, False), ("gla", None, True), ("gpt", "lean", False)],  # lean: 1 thread
     ids=["gpt", "gla-control", "gpt-lean"],
 )
 def test_demo_end_to_end(arch, mode, control, tmp_path, capsys, monkeypatch):
@@ -23,6 +23,7 @@ def test_demo_end_to_end(arch, mode, control, tmp_path, capsys, monkeypatch):
     # not see the mode), and the pass would not run again.
     torch._dynamo.reset()
     settings_before = cce_config.get()
+    threads_before = torch.get_num_threads()
     order = []
     train_step = train._Run.train_step
 
@@ -35,6 +36,7 @@ def test_demo_end_to_end(arch, mode, control, tmp_path, capsys, monkeypatch):
         [
             *(["--mode", mode] if mode else []),
             *(["--control"] if control else []),
+            *(["--threads", "1"] if mode == "lean" else []),
             "--arch",
             arch,
             "--device",
@@ -63,7 +65,10 @@ def test_demo_end_to_end(arch, mode, control, tmp_path, capsys, monkeypatch):
     )
     assert code == 0
     assert cce_config.get() is settings_before  # --mode is scoped to the demo
+    assert torch.get_num_threads() == threads_before  # and so is --threads
     printed = capsys.readouterr().out
+    if mode == "lean":
+        assert "torch's threads: 1." in " ".join(printed.split())
     assert "sites rewritten by the pass" in printed
     assert "side by side" in printed and "compiles on its first step" in printed
     # CPU: no row that only a GPU measures, and nothing that reads n/a.

@@ -22,7 +22,7 @@ def test_help_keeps_one_example_per_line(capsys):
 
 def test_every_option_is_described(capsys):
     options = [a for a in build_parser()._actions if a.option_strings and a.dest != "help"]
-    assert len(options) >= 17
+    assert len(options) >= 18
     for action in options:
         assert action.help and len(action.help) > 15, action.option_strings
 
