@@ -138,8 +138,9 @@ class Implementation(Protocol):
         argmax: bool = False,
     ) -> ForwardOut:
         """Fast mode: loss, lse and the gradients in ``needs`` for a unit upstream gradient
-        of the loss, from the same chunks of logits (and each row's entropy and argmax where
-        asked, every row's: the caller masks ignored ones)."""
+        of the loss, each in its input's dtype (the op hands them to autograd as they are),
+        from the same chunks of logits (and each row's entropy and argmax where asked, every
+        row's: the caller masks ignored ones)."""
 
     def scale_(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """x *= scale in place with float32 math and one rounding; ``scale`` is a 0-d

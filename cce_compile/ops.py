@@ -294,12 +294,8 @@ def _setup_context(ctx, inputs, output) -> None:
     save_context(ctx, args, lse=lse, row_index=row_index, keep_blocks=keep_blocks, **buffers)
 
 
-# The saved fast-mode buffer of each gradient flag.
-_FAST_BUFFERS = {
-    "grad_hidden": "fast_grad_hidden",
-    "grad_classifier": "fast_grad_classifier",
-    "grad_bias": "fast_grad_bias",
-}
+# The saved fast-mode buffer of each gradient flag (the forward's output names).
+_FAST_BUFFERS = {flag: f"fast_{flag}" for flag in GRAD_FLAGS}
 
 
 def _backward(ctx, grad_loss, grad_lse, *_unused):
