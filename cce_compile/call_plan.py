@@ -9,23 +9,20 @@ through these helpers, so each rule is written once:
   rounds ``F.linear``'s, so an enclosing region changes neither dtypes nor precision between
   forward and backward);
 * the compute dtype where it rounds an input;
-* the extra memory the settings give the call (``policy``);
-* the gradients the call asks for;
-* PyTorch's error for out-of-range targets, where checking costs no device sync.
+* the extra memory the settings give the call (``decide.budget_bytes``);
+* the gradients the call asks for.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Iterator
 
 import torch
 
-from . import config, policy, torch_path
+from . import decide, torch_path
 from .interface import Implementation, Needs
-from .loss_math import LossSpec, check_targets_in_range, row_targets
 from .op_signature import Bound
 
 
@@ -71,36 +68,8 @@ def needs_of(args: Bound) -> Needs:
     return Needs(args.grad_hidden, args.grad_classifier, args.grad_bias and args.bias is not None)
 
 
-def problem_of(hidden, classifier, shift: int, compute_dtype) -> policy.Problem:
-    """What the memory policy needs to know about a call: hidden (..., T, D)."""
-    leading = hidden.shape[:-1]
-    rows = (math.prod(leading) // max(leading[-1], 1)) * (leading[-1] - shift) if leading else 1
-    dtype = compute_dtype or hidden.dtype
-    return policy.Problem(
-        rows=rows,
-        vocab=classifier.shape[0],
-        dim=classifier.shape[1],
-        logit_bytes=dtype.itemsize,
-        rounds_inputs=compute_dtype is not None
-        and any(d != compute_dtype for d in (hidden.dtype, classifier.dtype)),
-        device_type=hidden.device.type,
-    )
-
-
-def budget_bytes(problem: policy.Problem) -> int:
-    """The extra memory the settings give this problem (policy.py)."""
-    settings = config.get()
-    return policy.budget_bytes(problem, settings.memory_budget_mb, settings.memory_fraction)
-
-
 def budget_of(args: Bound) -> int:
-    """``budget_bytes`` of a bound call (its loss rows, its shard of the vocabulary)."""
-    return budget_bytes(
-        problem_of(args.hidden, args.classifier, args.shift, compute_dtype_of(args))
-    )
-
-
-def check_targets(targets, class_weights, spec: LossSpec, vocab: int) -> None:
-    """PyTorch's error for out-of-range targets, where checking costs no device sync."""
-    if targets.device.type == "cpu" or config.get().check_targets:
-        check_targets_in_range(row_targets(targets, class_weights, spec, vocab), vocab)
+    """The memory budget (``decide.budget_bytes``) of a bound call: its loss rows, its shard
+    of the vocabulary."""
+    problem = decide.problem_of(args.hidden, args.classifier, args.shift, compute_dtype_of(args))
+    return decide.budget_bytes(problem)

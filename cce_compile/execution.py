@@ -20,10 +20,9 @@ from collections.abc import Callable
 
 import torch
 
-from . import compaction, filtering
+from . import compaction, decide, filtering
 from .call_plan import (
     budget_of,
-    check_targets,
     compute_dtype_of,
     float32_math,
     implementation_for,
@@ -43,7 +42,7 @@ def forward(args: Bound) -> ForwardOut:
     """Loss and per-row lse; fast mode also its unit-gradient buffers, lean mode with
     filtering the mask of blocks its backward computes; with ``skip_ignored`` the rows it
     computed on (compaction.py)."""
-    check_targets(args.targets, args.class_weights, args.spec(), args.classifier.shape[0])
+    decide.check_targets(args.targets, args.class_weights, args.spec(), args.classifier.shape[0])
     return on_kept_rows(args, _forward_rows)
 
 
@@ -126,19 +125,14 @@ def _expanded(out: ForwardOut, selection: compaction.Selection, args: Bound) -> 
 
 
 def filters(args: Bound) -> bool:
-    """Does this call filter its gradients (and return the mask)? Asked for, lean mode,
-    gradients wanted. The op's fake kernel and its implementation both ask this."""
-    return args.grad_filter is not None and args.mode == "lean" and needs_of(args).any
+    """Does this call filter its gradients (``decide.filters``)? The op's fake kernel and its
+    implementation both ask this."""
+    return decide.filters(args.grad_filter, args.mode, needs_of(args).any)
 
 
 def _filtered(args: Bound, spec: LossSpec) -> bool:
-    """``filters``, after the checks that make a bad request an error."""
-    if args.grad_filter is None:
-        return False
-    filtering.check_beta(args.grad_filter)
-    if args.mode != "lean":
-        raise ValueError("grad_filter filters the lean backward: it needs mode 'lean'")
-    filtering.check_spec(spec)
+    """``filters``, after ``decide.grad_filter``'s checks (a bad request is an error)."""
+    decide.grad_filter(args.grad_filter, args.mode, spec)
     return filters(args)
 
 

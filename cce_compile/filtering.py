@@ -47,26 +47,6 @@ def block_count(vocab: int) -> int:
     return -(-vocab // FILTER_BLOCK)
 
 
-def check_beta(beta: float) -> None:
-    """PyTorch-style error for a bad filter threshold."""
-    if not (0.0 <= beta < 1.0):
-        raise ValueError(f"grad_filter must be in [0, 1) (a probability mass), got {beta}")
-
-
-def check_options(label_smoothing: float, softcap: float | None) -> None:
-    """Filtering keeps the label-smoothing term exact only where it needs no logit: not under
-    a softcap (its derivative there depends on every logit)."""
-    if label_smoothing and softcap is not None:
-        raise ValueError(
-            "grad_filter cannot be combined with label_smoothing under a softcap: the "
-            "smoothing term's gradient then needs every logit (set one of them off)"
-        )
-
-
-def check_spec(spec) -> None:
-    check_options(spec.label_smoothing, spec.softcap)
-
-
 def block_lse_from_partials(partial_lse: torch.Tensor, granularity: int) -> torch.Tensor:
     """(P, N) log-sum-exps over groups of ``granularity`` classes -> (blocks, N) over
     ``FILTER_BLOCK`` classes (``granularity`` divides it)."""

@@ -9,6 +9,7 @@ fields of :class:`~cce_compile.loss_math.LossSpec`, so a new option is declared 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -70,15 +71,16 @@ class Signature:
         self.arguments = tuple(arguments)
         self.names = tuple(a.name for a in self.arguments)
 
-    def schema(self, returns: str) -> str:
+    def schema(self, returns: Returns) -> str:
         params = ", ".join(f"{a.schema_type} {a.name}" for a in self.arguments)
-        return f"({params}) -> {returns}"
+        return f"({params}) -> {returns.schema()}"
 
-    def build(self, **values: Any) -> tuple:
+    def build(self, *, spec: LossSpec | None = None, **values: Any) -> tuple:
         """The positional arguments of a call: every argument without a default must be
-        given, and no unknown name."""
+        given, and no unknown name; ``spec``: the loss options, all at once."""
         values = {
             **{a.name: a.default for a in self.arguments if a.default is not _REQUIRED},
+            **(dataclasses.asdict(spec) if spec is not None else {}),
             **values,
         }
         missing = [n for n in self.names if n not in values]
@@ -96,6 +98,30 @@ class Signature:
         if unknown:
             raise TypeError(f"gradients for unknown arguments {unknown}")
         return tuple(grads.get(n) for n in self.names)
+
+    def index(self, name: str) -> int:
+        return self.names.index(name)
+
+
+class Returns:
+    """An op's outputs, by name: the schema's return types, and the packing of a kernel's
+    outputs into the op's tuple and back (``out.lse``, never ``out[1]``). Every output is a
+    Tensor (one that is not computed is empty: ops return no None)."""
+
+    def __init__(self, *names: str):
+        self.names = names
+        self._tuple = collections.namedtuple("Outputs", names)
+
+    def schema(self) -> str:
+        return "(" + ", ".join("Tensor" for _ in self.names) + ")"
+
+    def pack(self, **values: Any) -> tuple:
+        """The op's output tuple: every output by name."""
+        return tuple(self._tuple(**values))
+
+    def unpack(self, output: Sequence[Any]):
+        """The op's outputs (tensors, or a graph's nodes for them) by name."""
+        return self._tuple(*output)
 
     def index(self, name: str) -> int:
         return self.names.index(name)
@@ -136,9 +162,16 @@ FORWARD = Signature(
         Argument("return_argmax", "bool", default=False),
     ]
 )
-# loss, lse, fast_grad_hidden, fast_grad_classifier, fast_grad_bias, keep_blocks, row_index,
-# entropy, argmax
-FORWARD_RETURNS = "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+# What each output holds: ops._forward's docstring.
+FORWARD_RETURNS = Returns(
+    "loss",
+    "lse",
+    *(f"fast_{flag}" for flag in GRAD_FLAGS),  # fast mode's unit-upstream gradients
+    "keep_blocks",
+    "row_index",
+    "entropy",
+    "argmax",
+)
 
 BACKWARD = Signature(
     [
@@ -153,4 +186,4 @@ BACKWARD = Signature(
         *_GRAD_FLAGS,
     ]
 )
-BACKWARD_RETURNS = "(Tensor, Tensor, Tensor)"
+BACKWARD_RETURNS = Returns(*GRAD_FLAGS)  # empty where not asked for

@@ -171,20 +171,26 @@ def _forward(*values) -> tuple[Tensor, ...]:
     out = execution.forward(args)
     hidden, classifier = args.hidden, args.classifier
     rows = row_shape(hidden, args.shift)
-    loss = out.loss.view(rows) if args.reduction == "none" else out.loss
     f32 = torch.float32
     bias_like = classifier if args.bias is None else args.bias
-    return (
-        loss,
-        out.lse.view(rows),
-        out.grad_hidden if out.grad_hidden is not None else empty_output(hidden),
-        out.grad_classifier if out.grad_classifier is not None else empty_output(classifier),
-        out.grad_bias if out.grad_bias is not None else empty_output(bias_like),
-        out.keep_blocks if out.keep_blocks is not None else empty_output(classifier, torch.uint8),
-        row_index_output(out.row_index, hidden),
-        out.entropy.view(rows) if out.entropy is not None else empty_output(hidden, f32),
-        out.argmax.view(rows) if out.argmax is not None else empty_output(hidden, torch.int64),
+    return FORWARD_RETURNS.pack(
+        loss=out.loss.view(rows) if args.reduction == "none" else out.loss,
+        lse=out.lse.view(rows),
+        fast_grad_hidden=_or_empty(out.grad_hidden, hidden),
+        fast_grad_classifier=_or_empty(out.grad_classifier, classifier),
+        fast_grad_bias=_or_empty(out.grad_bias, bias_like),
+        keep_blocks=_or_empty(out.keep_blocks, classifier, torch.uint8),
+        row_index=row_index_output(out.row_index, hidden),
+        entropy=_or_empty(out.entropy, hidden, f32, rows),
+        argmax=_or_empty(out.argmax, hidden, torch.int64, rows),
     )
+
+
+def _or_empty(value: Tensor | None, like: Tensor, dtype=None, shape=None) -> Tensor:
+    """An output: ``value`` (viewed as ``shape``), or an empty placeholder like ``like``."""
+    if value is None:
+        return empty_output(like, dtype)
+    return value if shape is None else value.view(shape)
 
 
 def _rows_kept_size() -> torch.SymInt:
@@ -210,29 +216,29 @@ def _forward_fake(*values):
     args = FORWARD.bind(values)
     hidden, classifier, bias = args.hidden, args.classifier, args.bias
     rows = row_shape(hidden, args.shift)
-    f32 = torch.float32
+    f32, i64 = torch.float32, torch.int64
     fast = args.mode == "fast"
-    return (
-        hidden.new_empty(rows if args.reduction == "none" else (), dtype=f32),
-        hidden.new_empty(rows, dtype=f32),
-        hidden.new_empty(hidden.shape) if fast and args.grad_hidden else empty_output(hidden),
-        classifier.new_empty(classifier.shape)
-        if fast and args.grad_classifier
-        else empty_output(classifier),
-        bias.new_empty(bias.shape)
-        if fast and args.grad_bias and bias is not None
-        else empty_output(classifier if bias is None else bias),
-        classifier.new_empty(
-            (rows[0] * rows[1], filtering.block_count(classifier.shape[0])), dtype=torch.uint8
-        )
-        if execution.filters(args)
-        else empty_output(classifier, torch.uint8),
-        row_index_fake(args, hidden),
-        hidden.new_empty(rows, dtype=f32) if args.return_entropy else empty_output(hidden, f32),
-        hidden.new_empty(rows, dtype=torch.int64)
-        if args.return_argmax
-        else empty_output(hidden, torch.int64),
+    filtered_rows = (rows[0] * rows[1], filtering.block_count(classifier.shape[0]))
+    return FORWARD_RETURNS.pack(
+        loss=hidden.new_empty(rows if args.reduction == "none" else (), dtype=f32),
+        lse=hidden.new_empty(rows, dtype=f32),
+        fast_grad_hidden=_like_if(fast and args.grad_hidden, hidden),
+        fast_grad_classifier=_like_if(fast and args.grad_classifier, classifier),
+        fast_grad_bias=_like_if(fast and args.grad_bias and bias is not None, bias, classifier),
+        keep_blocks=_like_if(
+            execution.filters(args), classifier, shape=filtered_rows, dtype=torch.uint8
+        ),
+        row_index=row_index_fake(args, hidden),
+        entropy=_like_if(args.return_entropy, hidden, shape=rows, dtype=f32),
+        argmax=_like_if(args.return_argmax, hidden, shape=rows, dtype=i64),
     )
+
+
+def _like_if(computed: bool, like: Tensor | None, fallback=None, *, shape=None, dtype=None):
+    """A fake output: shaped like ``like`` (or ``shape``) where it is computed, else empty."""
+    if not computed:
+        return empty_output(like if like is not None else fallback, dtype)
+    return like.new_empty(like.shape if shape is None else shape, dtype=dtype)
 
 
 def define(name: str, signatures: tuple, implementations: tuple) -> tuple:
@@ -276,9 +282,12 @@ _PASSED_ON = ("compute_dtype", *LOSS_OPTIONS, "lse_all_rows")  # forward -> back
 def _setup_context(ctx, inputs, output) -> None:
     args = FORWARD.bind(inputs)
     versioning.check(args.implementation_version)
-    loss, lse, fast_h, fast_c, fast_b, keep_blocks, row_index, entropy, argmax = output
+    out = FORWARD_RETURNS.unpack(output)
+    buffers = {name: getattr(out, name) for name in _FAST_BUFFERS.values()}
     # The entropy is a metric: it carries no gradient (TRL's SFT logs it detached).
-    ctx.mark_non_differentiable(fast_h, fast_c, fast_b, keep_blocks, row_index, entropy, argmax)
+    ctx.mark_non_differentiable(
+        *buffers.values(), out.keep_blocks, out.row_index, out.entropy, out.argmax
+    )
     ctx.filtered = execution.filters(args)
     ctx.passed_on = args.pick(_PASSED_ON)
     # Which fast-mode buffers the forward filled: static flags, not sizes (no guards). The
@@ -290,8 +299,9 @@ def _setup_context(ctx, inputs, output) -> None:
         fast and args.grad_bias and args.bias is not None,
     )
     ctx.fast_held = {flag for flag, is_filled in zip(GRAD_FLAGS, filled) if is_filled}
-    buffers = dict(zip(_FAST_BUFFERS.values(), (fast_h, fast_c, fast_b)))
-    save_context(ctx, args, lse=lse, row_index=row_index, keep_blocks=keep_blocks, **buffers)
+    save_context(
+        ctx, args, lse=out.lse, row_index=out.row_index, keep_blocks=out.keep_blocks, **buffers
+    )
 
 
 # The saved fast-mode buffer of each gradient flag (the forward's output names).

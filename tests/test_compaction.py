@@ -13,7 +13,7 @@ from strategies import build_case
 from test_functional import run_and_compare
 
 import cce_compile
-from cce_compile import config, execution, torch_path
+from cce_compile import config, decide, execution, torch_path
 
 # Compaction at these small sizes on a GPU too (conftest.skip_at_any_size).
 pytestmark = pytest.mark.usefixtures("skip_at_any_size")
@@ -326,12 +326,11 @@ def test_rows_of_any_memory_layout(implementation, layout, mode):
 def test_a_direct_call_knows_when_it_is_compiled_into_cuda_graphs(backend, mode, records):
     """A call compiled into CUDA graphs keeps every row (no host sync can run in a recorded
     graph); the answer comes from the compile's own backend and mode."""
-    from cce_compile import functional
 
     def probe(x):
-        return x + (1.0 if functional._compiled_into_cuda_graphs() else 0.0)
+        return x + (1.0 if decide._compiled_into_cuda_graphs() else 0.0)
 
     torch._dynamo.reset()
     out = torch.compile(probe, backend=backend, mode=mode)(torch.zeros(3))
     assert bool(out[0] == 1.0) == records
-    assert not functional._compiled_into_cuda_graphs()  # eager: never
+    assert not decide._compiled_into_cuda_graphs()  # eager: never

@@ -16,62 +16,14 @@ Two entries, one op:
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..functional import as_ignore_index, autocast_dtype, skips_ignored
-from ..loss_math import LossSpec
-from ..op_signature import LOSS_OPTIONS
+from .. import decide
 from . import ops as _ops
 from . import sharding
-from .signature import FORWARD
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_TARGET_DTYPES = (torch.int64, torch.int32)
-
-
-def _check_tensors(hidden, classifier, targets, bias, class_weights, shard) -> None:
-    """Shapes and dtypes of the local tensors against this rank's shard."""
-    if hidden.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
-    if hidden.dim() < 1:
-        raise ValueError("hidden must have at least one dimension (..., D)")
-    if classifier.dim() != 2 or classifier.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"classifier must be this rank's shard (V_local, D) with D={hidden.shape[-1]} "
-            f"(hidden's last dim), got {tuple(classifier.shape)}"
-        )
-    if classifier.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"classifier must be a float tensor, got {classifier.dtype}")
-    if targets.dtype not in _TARGET_DTYPES:
-        raise TypeError(f"targets must hold class indices (int64 or int32), got {targets.dtype}")
-    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(
-            f"targets shape {tuple(targets.shape)} must equal hidden's leading shape "
-            f"{tuple(hidden.shape[:-1])}"
-        )
-    if not (0 <= shard.start and shard.start + classifier.shape[0] <= shard.size):
-        raise ValueError(
-            f"vocab_start={shard.start} with a shard of {classifier.shape[0]} classes does not "
-            f"fit in vocab_size={shard.size}"
-        )
-    if bias is not None and tuple(bias.shape) != (classifier.shape[0],):
-        raise ValueError(
-            f"bias must be this rank's slice ({classifier.shape[0]},), got {tuple(bias.shape)}"
-        )
-    if class_weights is not None and tuple(class_weights.shape) != (shard.size,):
-        raise ValueError(
-            f"class_weights must cover the whole vocabulary ({shard.size},), got "
-            f"{tuple(class_weights.shape)}"
-        )
-    devices = {
-        t.device for t in (hidden, classifier, targets, bias, class_weights) if t is not None
-    }
-    if len(devices) > 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+from .signature import FORWARD, FORWARD_RETURNS
 
 
 def _local(value: Tensor | None, name: str) -> Tensor | None:
@@ -107,10 +59,8 @@ def vocab_parallel_cross_entropy(
     gradients over the whole vocabulary, from each rank's shard.
 
     Every rank calls it with the same ``hidden``, ``targets`` and options (SPMD). Forward: one
-    all-gather of each rank's packed per-row lse, target logit and, with smoothing, weighted
-    sum (2 or 3 floats a row), combined locally. Backward (lean: the shard's logits are
-    recomputed): hidden's gradient is reduced once over the group; the classifier's and
-    bias's stay local.
+    all-gather of each rank's packed per-row statistics; backward: hidden's gradient is
+    reduced once over the group (``distributed.vocab_parallel``).
 
     Args:
         hidden: (..., D), the same on every rank; or a DTensor on the classifier's mesh (any
@@ -124,23 +74,67 @@ def vocab_parallel_cross_entropy(
             and the group (ProcessGroup, 1-D DeviceMesh, group name; None: the default group)
             for plain tensors; derived from a DTensor classifier (then leave them out).
         class_weights: optional (V,) weights of the whole vocabulary.
-        ignore_index, reduction, label_smoothing, softcap, logit_scale, shift, z_loss,
-        return_lse: as in ``cce_compile.linear_cross_entropy``.
+        ignore_index ... return_lse: as in ``cce_compile.linear_cross_entropy``.
 
     Returns:
         The loss (float32; a replicated DTensor when the classifier is a DTensor), and with
         ``return_lse`` the per-row lse over the whole vocabulary.
     """
-    spec = LossSpec(
-        ignore_index=as_ignore_index(ignore_index),
-        reduction=reduction,
-        label_smoothing=float(label_smoothing),
-        softcap=None if softcap is None else float(softcap),
-        logit_scale=float(logit_scale),
-        shift=shift,
-        z_loss=float(z_loss),
+    given_hidden = hidden
+    hidden, classifier, bias, shard, mesh = _local_inputs(
+        hidden, classifier, bias, (vocab_start, vocab_size, group)
     )
-    mesh = None
+    targets, class_weights = _local(targets, "targets"), _local(class_weights, "class_weights")
+    decide.check_tensors(hidden, classifier, targets, bias, class_weights, shard)
+    options = (ignore_index, reduction, label_smoothing, softcap, logit_scale, shift, z_loss)
+    spec = decide.loss_spec(hidden, *options)
+    spec = decide.with_scalars(spec, logit_scale, softcap)
+    hidden, targets, rows_shape = decide.canonical_form(hidden, targets, spec.shift)
+    output = torch.ops.cce.vocab_parallel_cross_entropy(
+        *FORWARD.build(
+            hidden=hidden,
+            classifier=classifier,
+            targets=targets,
+            bias=bias,
+            class_weights=class_weights,
+            compute_dtype=decide.compute_dtype(hidden, classifier, bias),
+            spec=spec,
+            vocab_start=shard.start,
+            vocab_size=shard.size,
+            group_name=shard.group_name,
+            # A DTensor hidden takes its gradient back as Partial: DTensor reduces it once.
+            reduce_hidden_grad=not isinstance(given_hidden, DTensor),
+            lse_all_rows=return_lse,
+            implementation_version=_ops.IMPLEMENTATION_VERSION,
+            skip_ignored=decide.compacts_ignored_rows(),
+        )
+    )
+    out = FORWARD_RETURNS.unpack(output)
+    loss = out.loss.reshape(rows_shape) if reduction == "none" else out.loss
+    returned = (loss, out.lse.reshape(rows_shape)) if return_lse else (loss,)
+    if mesh is not None:  # the loss as loss_parallel gives it: a replicated DTensor
+        returned = [DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in returned]
+    return tuple(returned) if return_lse else returned[0]
+
+
+def _replicated_hidden(hidden: Tensor, mesh) -> Tensor:
+    """Hidden's full local replica. A DTensor is gathered by DTensor (whose backward then
+    reduce-scatters under sequence parallelism) and takes the op's partial gradient back as
+    ``Partial``; a plain replica's gradient must be reduced by the op."""
+    if not isinstance(hidden, DTensor):
+        return hidden
+    why = sharding.replicated_input(hidden, mesh)
+    if why is not None:
+        raise ValueError(f"hidden: {why}")
+    full = hidden.redistribute(mesh, [Replicate()] * mesh.ndim)
+    return full.to_local(grad_placements=[Partial()] * mesh.ndim)
+
+
+def _local_inputs(hidden, classifier, bias, shard_given):
+    """(hidden, classifier, bias, shard, mesh): this rank's tensors and shard, from a DTensor
+    classifier (on its mesh) or from ``shard_given`` (vocab_start, vocab_size, group) for
+    plain tensors (mesh None: the op then all-reduces hidden's gradient itself)."""
+    vocab_start, vocab_size, group = shard_given
     if isinstance(classifier, DTensor):
         given = [n for n, v in (("vocab_start", vocab_start), ("vocab_size", vocab_size),
                                 ("group", group)) if v is not None]  # fmt: skip
@@ -150,7 +144,7 @@ def vocab_parallel_cross_entropy(
         if isinstance(shard, str):
             raise ValueError(f"classifier: {shard}")
         mesh = classifier.device_mesh
-        hidden, reduce_hidden_grad = _replicated_hidden(hidden, mesh)
+        hidden = _replicated_hidden(hidden, mesh)
         classifier = classifier.to_local()
         if isinstance(bias, DTensor):
             if tuple(bias.placements) != (Shard(0),):
@@ -158,72 +152,14 @@ def vocab_parallel_cross_entropy(
                     f"bias as a DTensor must be placed Shard(0), got {bias.placements}"
                 )
             bias = bias.to_local()
-    else:
-        if vocab_start is None or vocab_size is None:
-            raise ValueError(
-                "vocab_start and vocab_size: required with a plain-tensor classifier shard"
-            )
-        shard = sharding.VocabShard(
-            int(vocab_start), classifier.shape[0], int(vocab_size), sharding.group_name(group)
+        return hidden, classifier, bias, shard, mesh
+    if vocab_start is None or vocab_size is None:
+        raise ValueError(
+            "vocab_start and vocab_size: required with a plain-tensor classifier shard"
         )
-        if isinstance(hidden, DTensor):
-            raise TypeError("hidden: a DTensor needs a DTensor classifier (or pass hidden's local)")
-        reduce_hidden_grad = True
-    targets, class_weights = _local(targets, "targets"), _local(class_weights, "class_weights")
-    _check_tensors(hidden, classifier, targets, bias, class_weights, shard)
-    if shift and (hidden.dim() < 2 or not 0 <= shift < hidden.shape[-2]):
-        raise ValueError(f"shift must be in [0, T) for hidden of shape {tuple(hidden.shape)}")
-    compute_dtype = autocast_dtype(hidden.device)
-    if compute_dtype is None and (
-        classifier.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype)
-    ):
-        raise TypeError(
-            f"classifier ({classifier.dtype}) and bias must have hidden's dtype {hidden.dtype} "
-            "(or run under autocast, which casts them)"
-        )
-
-    leading = tuple(hidden.shape[:-1])
-    time = leading[-1] if leading else 1
-    batch = math.prod(leading[:-1])
-    rows_shape = leading[:-1] + (time - shift,) if leading else ()
-    loss, lse, _ = torch.ops.cce.vocab_parallel_cross_entropy(
-        *FORWARD.build(
-            hidden=hidden.reshape(batch, time, hidden.shape[-1]),
-            classifier=classifier,
-            targets=targets.reshape(batch, time),
-            bias=bias,
-            class_weights=class_weights,
-            compute_dtype=compute_dtype,
-            **{name: getattr(spec, name) for name in LOSS_OPTIONS},
-            vocab_start=shard.start,
-            vocab_size=shard.size,
-            group_name=shard.group_name,
-            reduce_hidden_grad=reduce_hidden_grad,
-            lse_all_rows=return_lse,
-            implementation_version=_ops.IMPLEMENTATION_VERSION,
-            skip_ignored=skips_ignored(),
-        )
+    shard = sharding.VocabShard(
+        int(vocab_start), classifier.shape[0], int(vocab_size), sharding.group_name(group)
     )
-    if reduction == "none":
-        loss = loss.reshape(rows_shape)
-    lse = lse.reshape(rows_shape)
-    if mesh is not None:
-        loss = DTensor.from_local(loss, mesh, [Replicate()], run_check=False)
-        lse = DTensor.from_local(lse, mesh, [Replicate()], run_check=False)
-    return (loss, lse) if return_lse else loss
-
-
-def _replicated_hidden(hidden: Tensor, mesh) -> tuple[Tensor, bool]:
-    """(hidden's full local replica, whether the op must all-reduce its gradient).
-
-    A DTensor is gathered by DTensor (whose backward then reduce-scatters under sequence
-    parallelism) and hands the op's partial gradient back as ``Partial``; a plain replica's
-    gradient is all-reduced by the op.
-    """
-    if not isinstance(hidden, DTensor):
-        return hidden, True
-    why = sharding.replicated_input(hidden, mesh)
-    if why is not None:
-        raise ValueError(f"hidden: {why}")
-    full = hidden.redistribute(mesh, [Replicate()] * mesh.ndim)
-    return full.to_local(grad_placements=[Partial()] * mesh.ndim), False
+    if isinstance(hidden, DTensor):
+        raise TypeError("hidden: a DTensor needs a DTensor classifier (or pass hidden's local)")
+    return hidden, classifier, bias, shard, None

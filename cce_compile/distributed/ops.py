@@ -43,8 +43,11 @@ def _forward(*values) -> tuple[Tensor, Tensor, Tensor]:
     args = FORWARD.bind(values)
     out = vocab_parallel.forward(args)
     rows = row_shape(args.hidden, args.shift)
-    loss = out.loss.view(rows) if args.reduction == "none" else out.loss
-    return loss, out.lse.view(rows), row_index_output(out.row_index, args.hidden)
+    return FORWARD_RETURNS.pack(
+        loss=out.loss.view(rows) if args.reduction == "none" else out.loss,
+        lse=out.lse.view(rows),
+        row_index=row_index_output(out.row_index, args.hidden),
+    )
 
 
 def _forward_fake(*values) -> tuple[Tensor, Tensor, Tensor]:
@@ -52,10 +55,10 @@ def _forward_fake(*values) -> tuple[Tensor, Tensor, Tensor]:
     rows = row_shape(args.hidden, args.shift)
     f32 = torch.float32
     loss_shape = rows if args.reduction == "none" else ()
-    return (
-        args.hidden.new_empty(loss_shape, dtype=f32),
-        args.hidden.new_empty(rows, dtype=f32),
-        row_index_fake(args, args.hidden),
+    return FORWARD_RETURNS.pack(
+        loss=args.hidden.new_empty(loss_shape, dtype=f32),
+        lse=args.hidden.new_empty(rows, dtype=f32),
+        row_index=row_index_fake(args, args.hidden),
     )
 
 
@@ -86,10 +89,10 @@ def check_version(version: int) -> None:
 def _setup_context(ctx, inputs, output) -> None:
     args = FORWARD.bind(inputs)
     check_version(args.implementation_version)
-    _, lse, row_index = output
-    ctx.mark_non_differentiable(row_index)
+    out = FORWARD_RETURNS.unpack(output)
+    ctx.mark_non_differentiable(out.row_index)
     ctx.passed_on = args.pick(_PASSED_ON)
-    save_context(ctx, args, lse=lse, row_index=row_index)
+    save_context(ctx, args, lse=out.lse, row_index=out.row_index)
 
 
 def _backward(ctx, grad_loss, grad_lse, _grad_row_index):

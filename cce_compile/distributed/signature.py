@@ -9,7 +9,7 @@ formula (``distributed.ops``) reads the arguments back by name. The loss options
 from __future__ import annotations
 
 from .. import op_signature
-from ..op_signature import GRAD_FLAGS, LOSS_OPTIONS, Argument, Signature
+from ..op_signature import GRAD_FLAGS, LOSS_OPTIONS, Argument, Returns, Signature
 
 # The loss options as the single-device op declares them (LossSpec's fields).
 _OPTIONS = [a for a in op_signature.FORWARD.arguments if a.name in LOSS_OPTIONS]
@@ -44,8 +44,8 @@ FORWARD = Signature(
         Argument("skip_ignored", "bool", default=False),
     ]
 )
-# loss, lse (the global, (B, T - shift)), row_index (the rows computed on: compaction.py)
-FORWARD_RETURNS = "(Tensor, Tensor, Tensor)"
+# lse: over the whole vocabulary, (B, T - shift); row_index: the rows computed on (compaction.py)
+FORWARD_RETURNS = Returns("loss", "lse", "row_index")
 
 BACKWARD = Signature(
     [

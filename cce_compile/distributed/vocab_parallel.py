@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import call_plan, execution
+from .. import call_plan, decide, execution
 from ..interface import ForwardOut, Gradients, Needs, RowStats
 from ..loss_math import LossSpec, finish_loss, returned_lse, row_targets
 from ..op_signature import Bound
@@ -98,7 +98,7 @@ def forward(args: Bound) -> ForwardOut:
     """Loss (float32, a scalar or (N,) for 'none') and lse ((N,), 0 at ignored rows unless
     ``lse_all_rows``), the same on every rank; with ``skip_ignored`` on the rows whose target
     counts, which every rank selects alike (the same targets), so the collectives agree."""
-    call_plan.check_targets(args.targets, args.class_weights, args.spec(), args.vocab_size)
+    decide.check_targets(args.targets, args.class_weights, args.spec(), args.vocab_size)
     return execution.on_kept_rows(args, _forward_rows)
 
 

@@ -20,7 +20,6 @@ import torch
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
 
-from .. import config
 from . import predicates as p
 from . import safety
 from .verdicts import Site
@@ -182,11 +181,3 @@ def _dead_code_on(node: Node) -> list[Node]:
             if dead not in found:
                 found.append(dead)
     return found
-
-
-def site_skips_ignored() -> bool:
-    """CCE_SKIP_IGNORED, unless Inductor runs this graph as CUDA graphs: compaction sizes
-    the work by the targets' values (a host sync), which a captured graph cannot do."""
-    import torch._inductor.config as inductor_config
-
-    return config.get().skip_ignored and not inductor_config.triton.cudagraphs

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
-from .. import config, policy
+from .. import config, decide
 from ..op_signature import FORWARD
 from ..ops import IMPLEMENTATION_VERSION
 from . import escapes, placeholder, safety
@@ -31,7 +31,6 @@ from .emit import (
     loss_value,
     rows_of_hidden,
     shape_of,
-    site_skips_ignored,
     targets_as_rows,
 )
 from .report_types import location
@@ -289,43 +288,37 @@ def _escape(found: _Candidate) -> Rejection | list[Node]:
 
 
 def choose_site_mode(site: PlainSite, needs: tuple[bool, bool, bool]) -> str:
-    """The op's mode for a site: the configured one, resolved on the example sizes.
+    """The op's mode for a site (``decide.mode``), on the example sizes.
 
     Under dynamic shapes the sizes are hints: the choice is a performance decision only (both
     modes compute the same values), so it adds no guard.
     """
-    settings = config.get()
-    vocab, dim = (p.size_hint(s) or 1 for s in p.tensor_value(site.classifier).shape)
+    classifier = p.tensor_value(site.classifier)
+    vocab, dim = (p.size_hint(s) or 1 for s in classifier.shape)
     if site.classifier_is_transposed:
         vocab, dim = dim, vocab
-    common = dict(
+    operands = (p.tensor_value(site.hidden), classifier)
+    problem = decide.problem(
+        p.size_hint(site.rows) or 1,
+        (vocab, dim),
+        site.compute_dtype,
+        [t.dtype for t in operands],
+        operands[0].device.type,
+    )
+    return decide.mode(
+        None,
+        problem,
+        grad_filter=site_grad_filter(site),
         reduction=site.reduction,
         needs_grad=any(needs),
         needs_classifier=needs[1],
         lse_has_grad=bool(site.lse_users),
     )
-    operands = (site.hidden, site.classifier)
-    problem = policy.Problem(
-        rows=p.size_hint(site.rows) or 1,
-        vocab=vocab,
-        dim=dim,
-        logit_bytes=site.compute_dtype.itemsize,
-        rounds_inputs=any(p.tensor_value(n).dtype != site.compute_dtype for n in operands),
-        device_type=p.tensor_value(site.hidden).device.type,
-    )
-    budget = policy.budget_bytes(problem, settings.memory_budget_mb, settings.memory_fraction)
-    requested = "lean" if site_grad_filter(site) is not None else settings.mode
-    return policy.choose_mode(requested, problem=problem, budget=budget, **common)
 
 
 def site_grad_filter(site: PlainSite) -> float | None:
-    """CCE_GRAD_FILTER for this site, unless its label smoothing is under a softcap (then
-    the smoothing term's gradient needs every logit: filtering.check_options)."""
-    beta = config.get().grad_filter
-    smoothing = site.label_smoothing
-    if beta is None or (site.softcap is not None and (isinstance(smoothing, Node) or smoothing)):
-        return None
-    return beta
+    """CCE_GRAD_FILTER for this site (``decide.site_grad_filter``)."""
+    return decide.site_grad_filter(site.label_smoothing, site.softcap)
 
 
 def _operand(emit: Emitter, node: Node | None, site: PlainSite) -> Node | None:
@@ -401,7 +394,7 @@ def _op_arguments(emit: Emitter, site: PlainSite, rows: Node) -> tuple:
         grad_bias=needs[2],
         implementation_version=IMPLEMENTATION_VERSION,
         grad_filter=site_grad_filter(site),
-        skip_ignored=site_skips_ignored(),
+        skip_ignored=decide.site_compacts_ignored_rows(),
     )
 
 

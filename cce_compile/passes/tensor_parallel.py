@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
+from .. import decide
 from . import escapes, safety
 from . import predicates as p
 from . import walk as w
@@ -50,7 +51,6 @@ from .emit import (
     loss_arguments,
     loss_value,
     rows_of_hidden,
-    site_skips_ignored,
     targets_as_rows,
 )
 from .verdicts import DTENSOR, ESCAPES, UNSUPPORTED_OP, UNSUPPORTED_OPTION, Rejection, Site
@@ -310,7 +310,7 @@ def _rewrite(graph: Graph, site: TensorParallelSite) -> Node:
             reduce_hidden_grad=False,
             lse_all_rows=False,
             implementation_version=ops.IMPLEMENTATION_VERSION,
-            skip_ignored=site_skips_ignored(),
+            skip_ignored=decide.site_compacts_ignored_rows(),
         ),
     )
     new_loss = loss_value(emit, site, op)
