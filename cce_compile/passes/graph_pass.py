@@ -38,12 +38,13 @@ logs.register()
 
 @functools.cache
 def _source_digest() -> str:
-    """The pass's own sources, and those of the package that decide what it emits (the
-    policy choosing a mode, the settings); the op's sources come in through its version."""
+    """The pass's own sources, and those of the package that decide what it emits (``decide``
+    and the policy it applies, the settings); the op's sources come in through its version."""
     package = pathlib.Path(__file__).parent.parent
     digest = hashlib.sha256()
     sources = sorted(pathlib.Path(__file__).parent.glob("*.py"))
-    for path in [*sources, package / "policy.py", package / "config.py"]:
+    deciders = [package / name for name in ("decide.py", "policy.py", "config.py")]
+    for path in [*sources, *deciders]:
         digest.update(path.read_bytes())
     digest.update(str(OP._schema).encode())
     digest.update(str(IMPLEMENTATION_VERSION).encode())
