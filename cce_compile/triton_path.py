@@ -30,7 +30,7 @@ import math
 import torch
 
 from . import filtering, policy
-from .interface import Coefficients, ForwardOut, Gradients, Needs, RowStats
+from .interface import Coefficients, ForwardOut, Gradients, HeadInputs, Needs, RowStats
 from .kernels.chunk_softmax_grad import chunk_softmax_grad
 from .kernels.common import RowLayout, TileConfig, check_operands, row_layout
 from .kernels.logit_grad import logit_grad
@@ -168,17 +168,9 @@ def _tile_width(columns: int, tile: int, vocab: int) -> int:
 
 
 def logit_stats(
-    hidden: torch.Tensor,
-    classifier: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weights: torch.Tensor | None,
-    spec: LossSpec,
+    head: HeadInputs,
     *,
-    col_start: int,
     all_rows: bool,
-    budget_bytes: int,
-    compute_dtype: torch.dtype | None = None,
     block_lse: bool = False,
     mean_z: bool = False,
     argmax: bool = False,
@@ -188,6 +180,10 @@ def logit_stats(
     the lse per block of classes (filtering.py), from the same partials; ``mean_z`` and
     ``argmax``: also each row's mean logit under the softmax and first largest logit's class,
     from per-program partials combined the same way."""
+    hidden, classifier, targets = head.hidden, head.classifier, head.targets
+    bias, class_weights, spec = head.bias, head.class_weights, head.spec
+    budget_bytes, compute_dtype = head.budget_bytes, head.compute_dtype
+    col_start = head.col_start
     hidden = _rounded(compute_dtype, hidden)
     vocab, dim = classifier.shape
     config = _tile_config(
@@ -249,23 +245,19 @@ def logit_stats(
 
 
 def fast_forward(
-    hidden: torch.Tensor,
-    classifier: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weights: torch.Tensor | None,
-    spec: LossSpec,
+    head: HeadInputs,
     rows: RowTargets,
     *,
     needs: Needs,
-    budget_bytes: int,
-    compute_dtype: torch.dtype | None = None,
     entropy: bool = False,
     argmax: bool = False,
 ) -> ForwardOut:
     """Fast mode: loss, lse and the gradients for a unit upstream gradient, computed in
     chunks of positions (three GEMMs); with ``entropy`` / ``argmax`` also those of each row,
     from the same pass over each chunk's logits."""
+    hidden, classifier, targets = head.hidden, head.classifier, head.targets
+    bias, class_weights, spec = head.bias, head.class_weights, head.spec
+    budget_bytes, compute_dtype = head.budget_bytes, head.compute_dtype
     hidden_c, classifier_c = _rounded(compute_dtype, hidden), _rounded(compute_dtype, classifier)
     bias_c = _rounded(compute_dtype, bias)
     vocab, dim = classifier.shape
@@ -366,24 +358,20 @@ def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def gradients(
-    hidden: torch.Tensor,
-    classifier: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weights: torch.Tensor | None,
+    head: HeadInputs,
     lse: torch.Tensor,
     coefs: Coefficients,
-    spec: LossSpec,
     *,
-    col_start: int,
     needs: Needs,
-    budget_bytes: int,
-    compute_dtype: torch.dtype | None = None,
     keep_blocks: torch.Tensor | None = None,
 ) -> Gradients:
     """Slab by slab of classes: ``logit_grad`` recomputes the slab's logits and writes their
     gradient, cuBLAS turns it into d hidden (float32, accumulated) and d classifier[slab]
     (written once, in the classifier's dtype) and the bias gradient (float32)."""
+    hidden, classifier, targets = head.hidden, head.classifier, head.targets
+    bias, class_weights, spec = head.bias, head.class_weights, head.spec
+    budget_bytes, compute_dtype = head.budget_bytes, head.compute_dtype
+    col_start = head.col_start
     hidden = _rounded(compute_dtype, hidden)
     vocab, dim = classifier.shape
     device = hidden.device
