@@ -17,7 +17,7 @@ import operator
 import torch
 from torch import Tensor
 
-from . import call_plan, config, filtering, torch_path
+from . import autograd_fallback, call_plan, config, filtering
 from . import ops as _ops  # registers torch.ops.cce
 from .loss_math import REDUCTIONS, LossSpec
 from .op_signature import FORWARD
@@ -423,7 +423,7 @@ def _autograd_route_loss(tensors, compute_dtype, options, *, return_lse, scalars
         # their values: out-of-range targets then fail in the gather or give NaN rows)
         call_plan.check_targets(targets, class_weights, spec, classifier.shape[0])
     problem = call_plan.problem_of(hidden, classifier, spec.shift, compute_dtype)
-    return torch_path.differentiable_loss(
+    return autograd_fallback.differentiable_loss(
         hidden,
         classifier,
         targets,

@@ -19,8 +19,8 @@ Shapes follow the op's canonical form (``interface``): row ``r`` of the loss is
 ``hidden[b, t]`` predicting ``targets[b, t + shift]`` with ``(b, t) = divmod(r, T - shift)``,
 so a shift never copies ``hidden`` where its rows form one strided matrix.
 
-``differentiable_loss`` is the same math left to PyTorch's autograd, for what the op's own
-formula does not cover (forward-mode AD, functorch transforms, a differentiable logit_scale).
+``autograd_fallback`` leaves the same math to PyTorch's autograd, for what the op's own formula
+does not cover.
 """
 
 from __future__ import annotations
@@ -33,14 +33,7 @@ import torch
 
 from . import filtering
 from .interface import Coefficients, ForwardOut, Gradients, HeadInputs, Needs, RowStats
-from .loss_math import (
-    LossSpec,
-    RowTargets,
-    finish_loss,
-    returned_lse,
-    row_coefficients,
-    row_targets,
-)
+from .loss_math import LossSpec, RowTargets, finish_loss, row_coefficients
 from .policy import cpu_chunk_rows
 
 # The most rows per lean tile. Tiles of fewer rows re-read each slab of the classifier more
@@ -176,23 +169,8 @@ class _Extras:
         lse.copy_(new_lse)
 
 
-def _logits(h32, c32, b32, logit_scale, softcap) -> torch.Tensor:
-    """z = softcap(logit_scale * (h @ c.T + b)), float32; scale and cap are numbers, or 0-d
-    tensors (the differentiable path)."""
-    z = h32 @ c32.T
-    if b32 is not None:
-        z += b32
-    if isinstance(logit_scale, torch.Tensor):
-        z = z * logit_scale  # out of place: its gradient needs z
-    elif logit_scale != 1.0:
-        z *= logit_scale
-    if softcap is not None:
-        z = torch.tanh(z / softcap) * softcap
-    return z
-
-
 def _tile_logits(out: torch.Tensor, h32, c32, b32, spec: LossSpec) -> torch.Tensor:
-    """``_logits`` of one tile, computed in ``out`` (the same arithmetic, in place)."""
+    """z = softcap(logit_scale * (h @ c.T + b)) of one tile, float32, computed in ``out``."""
     z = torch.mm(h32, c32.T, out=out)
     if b32 is not None:
         z += b32
@@ -537,46 +515,3 @@ def gradients(
             )
             acc.add(grad, (r0, r1), (c0, c1), operands.hidden[r0:r1], operands.classifier[c0:c1])
     return acc.result()
-
-
-def differentiable_loss(
-    hidden: torch.Tensor,
-    classifier: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weights: torch.Tensor | None,
-    spec: LossSpec,
-    *,
-    lse_all_rows: bool,
-    budget_bytes: int,
-    compute_dtype: torch.dtype | None = None,
-    logit_scale: torch.Tensor | None = None,
-    softcap: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, lse) by PyTorch's own autograd over the same chunked math, any AD mode.
-
-    ``logit_scale`` / ``softcap`` given as 0-d tensors replace the spec's numbers and are
-    differentiated. Nothing is written in place into a shared buffer (functorch transforms
-    forbid it). Reverse mode keeps every chunk's float32 logits for the backward, as eager
-    PyTorch keeps its logits; forward mode keeps none.
-    """
-    head = HeadInputs(
-        hidden, classifier, targets, bias, class_weights, spec, budget_bytes, compute_dtype
-    )
-    rows = row_targets(targets, class_weights, spec, head.vocab)
-    operands = Float32Operands.of(head)
-    h32, w32 = operands.hidden, operands.class_weights
-    scale = spec.logit_scale if logit_scale is None else logit_scale
-    cap = spec.softcap if softcap is None else softcap
-    stats: list[list[torch.Tensor]] = [[], [], []]  # lse, target logit, wsum per chunk
-    for start, stop in _ranges(h32.shape[0], cpu_chunk_rows(head.vocab, budget_bytes)):
-        z = _logits(h32[start:stop], operands.classifier, operands.bias, scale, cap)
-        stats[0].append(torch.logsumexp(z, dim=-1))
-        stats[1].append(z.gather(1, rows.safe[start:stop, None])[:, 0])
-        if spec.needs_wsum:
-            stats[2].append(z @ w32 if w32 is not None else z.sum(-1))
-    empty = hidden.new_zeros(0, dtype=torch.float32)
-    lse, target_logit, wsum = (torch.cat(s) if s else empty for s in stats)
-    wsum = wsum if spec.needs_wsum else None
-    loss = finish_loss(lse, target_logit, wsum, rows, spec, head.vocab)
-    return loss, returned_lse(lse, rows, lse_all_rows)
