@@ -6,7 +6,8 @@ slows every method alike; the tables give the median and the spread (min-max) ov
 * ``loss``: forward+backward of ``hidden @ W.T`` -> cross-entropy at the CPU demo's head (N
   1024 rows, D 128, V 32768, float32, 10% of targets ignored unless ``--ignored``): plain
   torch.compile (Inductor), the op in lean and in fast mode, and with ``--baseline REF`` the
-  op with the torch_path.py of git revision REF (to measure a change in the same process).
+  op with the torch_path.py of git revision REF (to measure a change in the same process; REF's
+  functions must take ``interface.HeadInputs``, as this checkout's ``execution`` calls them).
 * ``demo``: one training step of ``python -m cce_compile.demo``'s GPT (its CPU defaults):
   tokens/s and the peak memory of one step measured as the demo does (the profiler's memory
   timeline), torch.compile against cce_compile (and the baseline).

@@ -28,7 +28,7 @@ from .call_plan import (
     implementation_for,
     needs_of,
 )
-from .interface import Coefficients, ForwardOut, Gradients, Implementation, Needs
+from .interface import Coefficients, ForwardOut, Gradients, HeadInputs, Implementation, Needs
 from .loss_math import LossSpec, finish_loss, returned_lse, row_coefficients, row_targets
 from .op_signature import Bound
 
@@ -63,29 +63,24 @@ def on_kept_rows(args: Bound, forward_rows: ForwardRows) -> ForwardOut:
 
 def _forward_rows(args: Bound, budget: int) -> ForwardOut:
     """The single-device forward on every row of ``args``."""
-    spec = args.spec()
-    vocab = args.classifier.shape[0]
+    head = head_inputs(args, budget, class_weights=args.class_weights)
+    spec, vocab = head.spec, head.vocab
     impl = implementation_for(args.hidden.device)
     needs = needs_of(args)
     rows = row_targets(args.targets, args.class_weights, spec, vocab)
-    tensors = (args.hidden, args.classifier, args.targets, args.bias, args.class_weights)
-    sizing = dict(budget_bytes=budget, compute_dtype=compute_dtype_of(args))
     with float32_math(args.hidden.device):
         if args.mode == "fast" and needs.any:
             metrics = dict(entropy=args.return_entropy, argmax=args.return_argmax)
-            out = impl.fast_forward(*tensors, spec, rows, needs=needs, **sizing, **metrics)
+            out = impl.fast_forward(head, rows, needs=needs, **metrics)
             lse = out.lse
         else:
             beta = args.grad_filter if _filtered(args, spec) else None
             stats = impl.logit_stats(
-                *tensors,
-                spec,
-                col_start=0,
+                head,
                 all_rows=args.lse_all_rows,
                 block_lse=beta is not None,
                 mean_z=args.return_entropy,
                 argmax=args.return_argmax,
-                **sizing,
             )
             lse = stats.lse
             out = ForwardOut(
@@ -201,35 +196,37 @@ def coefficients(args: Bound, vocab: int) -> tuple[torch.Tensor, Coefficients]:
     return lse, row_coefficients(grad_loss, grad_lse, lse, rows, spec, vocab, args.lse_all_rows)
 
 
+def head_inputs(
+    args: Bound, budget: int, *, class_weights: torch.Tensor | None, col_start: int = 0
+) -> HeadInputs:
+    """What an implementation computes on for a call of either op: its classifier's classes,
+    the vocabulary's [col_start, col_start + V), and their ``class_weights``."""
+    return HeadInputs(
+        args.hidden,
+        args.classifier,
+        args.targets,
+        args.bias,
+        class_weights,
+        args.spec(),
+        budget,
+        compute_dtype_of(args),
+        col_start,
+    )
+
+
 def lean_gradients(
     args: Bound,
     impl: Implementation,
+    head: HeadInputs,
     needs: Needs,
-    budget: int,
     lse: torch.Tensor,
     coefs: Coefficients,
-    *,
-    col_start: int = 0,
-    class_weights: torch.Tensor | None = None,
 ) -> Gradients:
-    """The implementation's gradients from recomputed logits of ``args.classifier``'s classes
-    (the vocabulary's [col_start, col_start + V)), before any cast: hidden's in float32."""
-    with float32_math(args.hidden.device):
-        return impl.gradients(
-            args.hidden,
-            args.classifier,
-            args.targets,
-            args.bias,
-            class_weights,
-            lse,
-            coefs,
-            args.spec(),
-            col_start=col_start,
-            needs=needs,
-            budget_bytes=budget,
-            compute_dtype=compute_dtype_of(args),
-            keep_blocks=args.keep_blocks if args.has("keep_blocks") else None,
-        )
+    """The implementation's gradients from recomputed logits of the head's classes, before
+    any cast: hidden's in float32 (with ``args``' filtering mask, where it has one)."""
+    keep_blocks = args.keep_blocks if args.has("keep_blocks") else None
+    with float32_math(head.hidden.device):
+        return impl.gradients(head, lse, coefs, needs=needs, keep_blocks=keep_blocks)
 
 
 def in_input_dtypes(grads: Gradients, args: Bound) -> Gradients:
@@ -242,5 +239,6 @@ def _lean_gradients(args: Bound, needs: Needs, budget: int) -> Gradients:
     """The single-device op's recomputed gradients on every row of ``args``."""
     lse, coefs = coefficients(args, args.classifier.shape[0])
     impl = implementation_for(args.hidden.device)
-    grads = lean_gradients(args, impl, needs, budget, lse, coefs, class_weights=args.class_weights)
+    head = head_inputs(args, budget, class_weights=args.class_weights)
+    grads = lean_gradients(args, impl, head, needs, lse, coefs)
     return in_input_dtypes(grads, args)

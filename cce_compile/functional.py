@@ -15,7 +15,7 @@ import logging
 import torch
 from torch import Tensor
 
-from . import decide, torch_path
+from . import autograd_fallback, decide
 from . import ops as _ops  # registers torch.ops.cce
 from .loss_math import LossSpec
 from .op_signature import FORWARD, FORWARD_RETURNS
@@ -177,7 +177,7 @@ def _call_op(tensors, compute_dtype, spec: LossSpec, wanted: _Wanted, mode, grad
 
 def _fallback(tensors, compute_dtype, spec: LossSpec, scalars, wanted: _Wanted, route: str):
     """(loss, lse if wanted) by PyTorch's autograd over chunked float32 logits
-    (``torch_path.differentiable_loss``), said once."""
+    (``autograd_fallback``), said once."""
     if wanted.entropy or wanted.argmax:
         raise NotImplementedError(
             f"return_entropy / return_argmax are not served under {route}: call "
@@ -193,7 +193,7 @@ def _fallback(tensors, compute_dtype, spec: LossSpec, scalars, wanted: _Wanted, 
         # their values: out-of-range targets then fail in the gather or give NaN rows)
         decide.check_targets(targets, class_weights, spec, classifier.shape[0])
     problem = decide.problem_of(hidden, classifier, spec.shift, compute_dtype)
-    loss, lse = torch_path.differentiable_loss(
+    loss, lse = autograd_fallback.differentiable_loss(
         hidden,
         classifier,
         targets,

@@ -67,80 +67,81 @@ class RowStats:
     argmax: torch.Tensor | None = None  # (N,) int64 first class of the largest logit
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class HeadInputs:
+    """What every call of an implementation shares: the head's tensors in the canonical form,
+    the loss's options, and how to compute (the rounding before the GEMMs, the memory budget).
+
+    ``classifier`` (and ``bias``, ``class_weights``) hold classes [col_start, col_start + V)
+    of the vocabulary that ``targets`` index (a vocabulary split over ranks); targets outside
+    that range contribute no target term."""
+
+    hidden: torch.Tensor  # (B, T, D)
+    classifier: torch.Tensor  # (V, D)
+    targets: torch.Tensor  # (B, T), classes of the whole vocabulary
+    bias: torch.Tensor | None  # (V,)
+    class_weights: torch.Tensor | None  # (V,), these classes' weights
+    spec: LossSpec
+    budget_bytes: int  # the extra memory the call may take (policy.py)
+    # The dtype the head's operands are rounded to before the GEMMs (autocast's rounding;
+    # None: their own, which then agree).
+    compute_dtype: torch.dtype | None = None
+    col_start: int = 0
+
+    @property
+    def vocab(self) -> int:
+        """V, the classes given (not the whole vocabulary's size when it is split)."""
+        return self.classifier.shape[0]
+
+
 class Implementation(Protocol):
     """What an implementation provides: the lean path's two halves (``execution`` builds the
     loss and the backward from them with ``loss_math``), fast mode's fused forward, and one
-    in-place scaling pass. ``compute_dtype``: the dtype the head's operands are rounded to
-    before the GEMMs (None: their own, which then agree)."""
+    in-place scaling pass. Each of the first three computes over the classes of its
+    :class:`HeadInputs`."""
 
     def logit_stats(
         self,
-        hidden: torch.Tensor,
-        classifier: torch.Tensor,
-        targets: torch.Tensor,
-        bias: torch.Tensor | None,
-        class_weights: torch.Tensor | None,
-        spec: LossSpec,
+        head: HeadInputs,
         *,
-        col_start: int,
         all_rows: bool,
-        budget_bytes: int,
-        compute_dtype: torch.dtype | None = None,
         block_lse: bool = False,
         mean_z: bool = False,
         argmax: bool = False,
     ) -> RowStats:
         """lse, target logit and (with smoothing) weighted sum of each row's logits over the
-        given classes (and with ``block_lse`` per block of classes, for filtering; with
+        head's classes (and with ``block_lse`` per block of classes, for filtering; with
         ``mean_z`` the mean logit under the softmax, with ``argmax`` the first class of the
-        largest logit, for the op's entropy and argmax outputs). Without
-        ``all_rows``, ignored rows' statistics may be skipped. ``classifier`` (and ``bias``,
-        ``class_weights``) hold classes [col_start, col_start + V) of the vocabulary that
-        ``targets`` index (a vocabulary split over ranks); targets outside that range
-        contribute no target term."""
+        largest logit, for the op's entropy and argmax outputs). Without ``all_rows``,
+        ignored rows' statistics may be skipped."""
 
     def gradients(
         self,
-        hidden: torch.Tensor,
-        classifier: torch.Tensor,
-        targets: torch.Tensor,
-        bias: torch.Tensor | None,
-        class_weights: torch.Tensor | None,
+        head: HeadInputs,
         lse: torch.Tensor,
         coefs: Coefficients,
-        spec: LossSpec,
         *,
-        col_start: int,
         needs: Needs,
-        budget_bytes: int,
-        compute_dtype: torch.dtype | None = None,
         keep_blocks: torch.Tensor | None = None,
     ) -> Gradients:
         """Gradients from dz = coef_p * exp(z - lse) - coef_t * onehot - coef_w * w over the
-        given classes: hidden's in float32 (a partial sum when the vocabulary is split), the
+        head's classes: hidden's in float32 (a partial sum when the vocabulary is split), the
         classifier's and bias's for those classes (float32 or the inputs' dtype).
         ``keep_blocks``: gradient filtering's mask (filtering.py)."""
 
     def fast_forward(
         self,
-        hidden: torch.Tensor,
-        classifier: torch.Tensor,
-        targets: torch.Tensor,
-        bias: torch.Tensor | None,
-        class_weights: torch.Tensor | None,
-        spec: LossSpec,
+        head: HeadInputs,
         rows: RowTargets,
         *,
         needs: Needs,
-        budget_bytes: int,
-        compute_dtype: torch.dtype | None = None,
         entropy: bool = False,
         argmax: bool = False,
     ) -> ForwardOut:
-        """Fast mode: loss, lse and the gradients in ``needs`` for a unit upstream gradient
-        of the loss, each in its input's dtype (the op hands them to autograd as they are),
-        from the same chunks of logits (and each row's entropy and argmax where asked, every
-        row's: the caller masks ignored ones)."""
+        """Fast mode, over the whole vocabulary (``col_start`` 0): loss, lse and the gradients
+        in ``needs`` for a unit upstream gradient of the loss, each in its input's dtype (the
+        op hands them to autograd as they are), from the same chunks of logits (and each
+        row's entropy and argmax where asked, every row's: the caller masks ignored ones)."""
 
     def scale_(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """x *= scale in place with float32 math and one rounding; ``scale`` is a 0-d

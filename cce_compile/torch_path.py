@@ -19,8 +19,8 @@ Shapes follow the op's canonical form (``interface``): row ``r`` of the loss is
 ``hidden[b, t]`` predicting ``targets[b, t + shift]`` with ``(b, t) = divmod(r, T - shift)``,
 so a shift never copies ``hidden`` where its rows form one strided matrix.
 
-``differentiable_loss`` is the same math left to PyTorch's autograd, for what the op's own
-formula does not cover (forward-mode AD, functorch transforms, a differentiable logit_scale).
+``autograd_fallback`` leaves the same math to PyTorch's autograd, for what the op's own formula
+does not cover.
 """
 
 from __future__ import annotations
@@ -32,15 +32,8 @@ from collections.abc import Iterator
 import torch
 
 from . import filtering
-from .interface import Coefficients, ForwardOut, Gradients, Needs, RowStats
-from .loss_math import (
-    LossSpec,
-    RowTargets,
-    finish_loss,
-    returned_lse,
-    row_coefficients,
-    row_targets,
-)
+from .interface import Coefficients, ForwardOut, Gradients, HeadInputs, Needs, RowStats
+from .loss_math import LossSpec, RowTargets, finish_loss, row_coefficients
 from .policy import cpu_chunk_rows
 
 # The most rows per lean tile. Tiles of fewer rows re-read each slab of the classifier more
@@ -176,23 +169,8 @@ class _Extras:
         lse.copy_(new_lse)
 
 
-def _logits(h32, c32, b32, logit_scale, softcap) -> torch.Tensor:
-    """z = softcap(logit_scale * (h @ c.T + b)), float32; scale and cap are numbers, or 0-d
-    tensors (the differentiable path)."""
-    z = h32 @ c32.T
-    if b32 is not None:
-        z += b32
-    if isinstance(logit_scale, torch.Tensor):
-        z = z * logit_scale  # out of place: its gradient needs z
-    elif logit_scale != 1.0:
-        z *= logit_scale
-    if softcap is not None:
-        z = torch.tanh(z / softcap) * softcap
-    return z
-
-
 def _tile_logits(out: torch.Tensor, h32, c32, b32, spec: LossSpec) -> torch.Tensor:
-    """``_logits`` of one tile, computed in ``out`` (the same arithmetic, in place)."""
+    """z = softcap(logit_scale * (h @ c.T + b)) of one tile, float32, computed in ``out``."""
     z = torch.mm(h32, c32.T, out=out)
     if b32 is not None:
         z += b32
@@ -211,9 +189,9 @@ class _ClassTargets:
     hit: torch.Tensor  # (N,) bool: the target is one of the given classes
 
     @staticmethod
-    def of(targets: torch.Tensor, spec: LossSpec, col_start: int, vocab: int) -> _ClassTargets:
-        columns = targets[:, spec.shift :].reshape(-1).long() - col_start
-        hit = (columns >= 0) & (columns < vocab)
+    def of(head: HeadInputs) -> _ClassTargets:
+        columns = head.targets[:, head.spec.shift :].reshape(-1).long() - head.col_start
+        hit = (columns >= 0) & (columns < head.vocab)
         return _ClassTargets(torch.where(hit, columns, 0), hit)
 
     def slice(self, start: int, stop: int) -> _ClassTargets:
@@ -233,6 +211,11 @@ def _tanh_grad(z: torch.Tensor, spec: LossSpec, out: torch.Tensor | None) -> tor
     if spec.softcap is None:
         return None
     return torch.div(z, spec.softcap, out=out).square_().neg_().add_(1.0)
+
+
+def _tanh_out(tanh_buffer: torch.Tensor | None, z: torch.Tensor) -> torch.Tensor | None:
+    """Room for the softcap's derivative at the tile ``z``, in ``tanh_buffer`` (None: none)."""
+    return None if tanh_buffer is None else _view(tanh_buffer, *z.shape)
 
 
 def _finish_grad_(
@@ -292,7 +275,8 @@ class _Accumulators:
     """float32 gradients, filled tile by tile: hidden's per row block over the slabs,
     the classifier's and bias's per slab over the row blocks."""
 
-    def __init__(self, hidden, classifier, bias, needs: Needs, rows_io: _Rows):
+    def __init__(self, head: HeadInputs, needs: Needs, rows_io: _Rows):
+        hidden, classifier, bias = head.hidden, head.classifier, head.bias
         device = classifier.device
         empty = torch.zeros if rows_io.count == 0 else torch.empty  # no tile writes them
         self.rows_io = rows_io
@@ -357,30 +341,47 @@ def _float(t: torch.Tensor, compute_dtype: torch.dtype | None) -> torch.Tensor:
     return (t if compute_dtype is None else t.to(compute_dtype)).float()
 
 
-def _operands(classifier, bias, class_weights, compute_dtype):
-    """The classifier, bias and class weights in float32 (the first two rounded first)."""
-    c32 = _float(classifier, compute_dtype)
-    b32 = _float(bias, compute_dtype) if bias is not None else None
-    w32 = class_weights.float() if class_weights is not None else None
-    return c32, b32, w32
-
-
 def _part(t: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
     return None if t is None else t[start:stop]
 
 
+@dataclasses.dataclass
+class Float32Operands:
+    """The head's operands in float32 (hidden, classifier and bias first rounded to the compute
+    dtype): hidden's loss rows as one (N, D) matrix, the classifier, bias and class weights."""
+
+    rows: _Rows
+    hidden: torch.Tensor  # (N, D)
+    classifier: torch.Tensor  # (V, D)
+    bias: torch.Tensor | None  # (V,)
+    class_weights: torch.Tensor | None  # (V,)
+
+    @staticmethod
+    def of(head: HeadInputs) -> Float32Operands:
+        rows = _Rows(head.hidden, head.spec.shift)
+        dtype = head.compute_dtype
+        return Float32Operands(
+            rows,
+            _float(rows.read(), dtype),
+            _float(head.classifier, dtype),
+            None if head.bias is None else _float(head.bias, dtype),
+            None if head.class_weights is None else head.class_weights.float(),
+        )
+
+    def tile_logits(
+        self, buffer: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int], spec: LossSpec
+    ) -> torch.Tensor:
+        """The tile's logits (rows x cols), computed in ``buffer``."""
+        (r0, r1), (c0, c1) = rows, cols
+        out = _view(buffer, r1 - r0, c1 - c0)
+        c32, b32 = self.classifier[c0:c1], _part(self.bias, c0, c1)
+        return _tile_logits(out, self.hidden[r0:r1], c32, b32, spec)
+
+
 def logit_stats(
-    hidden: torch.Tensor,
-    classifier: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weights: torch.Tensor | None,
-    spec: LossSpec,
+    head: HeadInputs,
     *,
-    col_start: int,
     all_rows: bool,
-    budget_bytes: int,
-    compute_dtype: torch.dtype | None = None,
     block_lse: bool = False,
     mean_z: bool = False,
     argmax: bool = False,
@@ -388,28 +389,22 @@ def logit_stats(
     """Per-row lse, target logit and weighted sum over the given classes (every row), and
     with ``block_lse`` the lse of each block of classes (filtering.py), with ``mean_z`` /
     ``argmax`` each row's mean logit under its softmax / first largest logit's class."""
-    vocab = classifier.shape[0]
-    c32, b32, w32 = _operands(classifier, bias, class_weights, compute_dtype)
-    columns = _ClassTargets.of(targets, spec, col_start, vocab)
-    rows_io = _Rows(hidden, spec.shift)
-    h32 = _float(rows_io.read(), compute_dtype)
-    n_rows = rows_io.count
-    device = hidden.device
+    operands, columns = Float32Operands.of(head), _ClassTargets.of(head)
+    w32, vocab, device = operands.class_weights, head.vocab, head.hidden.device
+    n_rows = operands.rows.count
     lse = torch.empty(n_rows, dtype=torch.float32, device=device)
     target_logit = torch.zeros_like(lse)
-    wsum = torch.zeros_like(lse) if spec.needs_wsum else None
+    wsum = torch.zeros_like(lse) if head.spec.needs_wsum else None
     blocks = None
     if block_lse:
         blocks = torch.empty((filtering.block_count(vocab), n_rows), device=device)
     extras = _Extras(n_rows, device, mean_z, argmax)
-    tiles = _Tiles.of(n_rows, vocab, budget_bytes)
+    tiles = _Tiles.of(n_rows, vocab, head.budget_bytes)
     buffer = tiles.buffer(n_rows, device)
     for r0, r1 in _ranges(n_rows, tiles.rows):
         row_columns = columns.slice(r0, r1)
         for c0, c1 in _ranges(vocab, tiles.cols):
-            z = _tile_logits(
-                _view(buffer, r1 - r0, c1 - c0), h32[r0:r1], c32[c0:c1], _part(b32, c0, c1), spec
-            )
+            z = operands.tile_logits(buffer, (r0, r1), (c0, c1), head.spec)
             in_slab = row_columns.in_slab(c0, c1, vocab)
             picked = z.gather(1, in_slab.index[:, None])[:, 0]
             torch.where(in_slab.hit, picked, target_logit[r0:r1], out=target_logit[r0:r1])
@@ -428,40 +423,29 @@ def logit_stats(
 
 
 def fast_forward(
-    hidden: torch.Tensor,
-    classifier: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weights: torch.Tensor | None,
-    spec: LossSpec,
+    head: HeadInputs,
     rows: RowTargets,
     *,
     needs: Needs,
-    budget_bytes: int,
-    compute_dtype: torch.dtype | None = None,
     entropy: bool = False,
     argmax: bool = False,
 ) -> ForwardOut:
     """Fast mode: loss, lse and the gradients for a unit upstream gradient from the same
     chunks of logits (three GEMMs), and each row's entropy and argmax where asked."""
-    vocab = classifier.shape[0]
-    c32, b32, w32 = _operands(classifier, bias, class_weights, compute_dtype)
-    columns = _ClassTargets.of(targets, spec, 0, vocab)
-    rows_io = _Rows(hidden, spec.shift)
-    h32 = _float(rows_io.read(), compute_dtype)
-    n_rows = rows_io.count
-    device = hidden.device
+    operands, columns = Float32Operands.of(head), _ClassTargets.of(head)
+    spec, vocab, device = head.spec, head.vocab, head.hidden.device
+    w32, n_rows = operands.class_weights, operands.rows.count
     lse = torch.empty(n_rows, dtype=torch.float32, device=device)
     target_logit = torch.empty_like(lse)
     wsum = torch.empty_like(lse) if spec.needs_wsum else None
-    acc = _Accumulators(hidden, classifier, bias, needs, rows_io)
+    acc = _Accumulators(head, needs, operands.rows)
     extras = _Extras(n_rows, device, entropy, argmax)
     unit = torch.ones((), device=device)
-    chunk = cpu_chunk_rows(vocab, budget_bytes)
+    chunk = cpu_chunk_rows(vocab, head.budget_bytes)
     buffer = torch.empty(min(n_rows, chunk) * vocab, device=device)
     tanh_buffer = torch.empty_like(buffer) if spec.softcap is not None else None
     for r0, r1 in _ranges(n_rows, chunk):
-        z = _tile_logits(_view(buffer, r1 - r0, vocab), h32[r0:r1], c32, b32, spec)
+        z = operands.tile_logits(buffer, (r0, r1), (0, vocab), spec)
         chunk_columns = columns.slice(r0, r1)
         target_logit[r0:r1] = torch.where(
             chunk_columns.hit, z.gather(1, chunk_columns.index[:, None])[:, 0], 0.0
@@ -469,8 +453,7 @@ def fast_forward(
         if wsum is not None:
             wsum[r0:r1] = z @ w32 if w32 is not None else z.sum(-1)
         extras.add(z, (r0, r1), 0)
-        tanh_out = None if tanh_buffer is None else _view(tanh_buffer, r1 - r0, vocab)
-        tanh_grad = _tanh_grad(z, spec, tanh_out)
+        tanh_grad = _tanh_grad(z, spec, _tanh_out(tanh_buffer, z))
         # One exponential per logit for both the lse and the gradient: exp(z - top) / total.
         top = _row_max(z)
         unnormalised = _exp_(z.sub_(top[:, None]))
@@ -480,12 +463,12 @@ def fast_forward(
         coefs = row_coefficients(grad_loss, None, lse[r0:r1], rows.slice(r0, r1), spec, vocab)
         grad = unnormalised.mul_((coefs[0] / total)[:, None])
         grad = _finish_grad_(grad, tanh_grad, coefs, chunk_columns, w32, spec, None)
-        acc.add(grad, (r0, r1), (0, vocab), h32[r0:r1], c32)
+        acc.add(grad, (r0, r1), (0, vocab), operands.hidden[r0:r1], operands.classifier)
     out = ForwardOut(finish_loss(lse, target_logit, wsum, rows, spec, vocab), lse)
     grads = acc.result()
     # In the inputs' dtypes: the op hands them to autograd as they are (float32 accumulation
     # here; a bf16 classifier's gradient is rounded once).
-    likes = (hidden, classifier, bias)
+    likes = (head.hidden, head.classifier, head.bias)
     out.grad_hidden, out.grad_classifier, out.grad_bias = (
         None if g is None else g.to(like.dtype) for g, like in zip(grads, likes)
     )
@@ -495,96 +478,40 @@ def fast_forward(
 
 
 def gradients(
-    hidden: torch.Tensor,
-    classifier: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weights: torch.Tensor | None,
+    head: HeadInputs,
     lse: torch.Tensor,
     coefs: Coefficients,
-    spec: LossSpec,
     *,
-    col_start: int,
     needs: Needs,
-    budget_bytes: int,
-    compute_dtype: torch.dtype | None = None,
     keep_blocks: torch.Tensor | None = None,
 ) -> Gradients:
     """float32 gradients from per-row coefficients, recomputing the logits tile by tile
     (``keep_blocks``: gradient filtering's mask, filtering.py)."""
-    vocab = classifier.shape[0]
-    c32, b32, w32 = _operands(classifier, bias, class_weights, compute_dtype)
-    columns = _ClassTargets.of(targets, spec, col_start, vocab)
-    rows_io = _Rows(hidden, spec.shift)
-    h32 = _float(rows_io.read(), compute_dtype)
-    n_rows = rows_io.count
-    acc = _Accumulators(hidden, classifier, bias, needs, rows_io)
+    operands, columns = Float32Operands.of(head), _ClassTargets.of(head)
+    vocab, n_rows = head.vocab, operands.rows.count
+    acc = _Accumulators(head, needs, operands.rows)
     shift = _lse_shift(lse, coefs)
-    tiles = _Tiles.of(n_rows, vocab, budget_bytes)
-    buffer = tiles.buffer(n_rows, hidden.device)
-    tanh_buffer = torch.empty_like(buffer) if spec.softcap is not None else None
+    tiles = _Tiles.of(n_rows, vocab, head.budget_bytes)
+    buffer = tiles.buffer(n_rows, head.hidden.device)
+    tanh_buffer = torch.empty_like(buffer) if head.spec.softcap is not None else None
     for r0, r1 in _ranges(n_rows, tiles.rows):
         row_coefs = tuple(c[r0:r1] for c in coefs)
         row_columns = columns.slice(r0, r1)
         for c0, c1 in _ranges(vocab, tiles.cols):
-            z = _tile_logits(
-                _view(buffer, r1 - r0, c1 - c0), h32[r0:r1], c32[c0:c1], _part(b32, c0, c1), spec
-            )
+            z = operands.tile_logits(buffer, (r0, r1), (c0, c1), head.spec)
             keep = None
             if keep_blocks is not None:
                 b0, b1 = c0 // filtering.FILTER_BLOCK, -(-c1 // filtering.FILTER_BLOCK)
                 keep = filtering.keep_columns(keep_blocks[r0:r1, b0:b1], c1 - c0)
-            tanh_out = None if tanh_buffer is None else _view(tanh_buffer, r1 - r0, c1 - c0)
             grad = _grad_from_logits(
                 z,
                 shift[r0:r1],
                 row_coefs,
                 row_columns.in_slab(c0, c1, vocab),
-                _part(w32, c0, c1),
-                spec,
+                _part(operands.class_weights, c0, c1),
+                head.spec,
                 keep,
-                tanh_out,
+                _tanh_out(tanh_buffer, z),
             )
-            acc.add(grad, (r0, r1), (c0, c1), h32[r0:r1], c32[c0:c1])
+            acc.add(grad, (r0, r1), (c0, c1), operands.hidden[r0:r1], operands.classifier[c0:c1])
     return acc.result()
-
-
-def differentiable_loss(
-    hidden: torch.Tensor,
-    classifier: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weights: torch.Tensor | None,
-    spec: LossSpec,
-    *,
-    lse_all_rows: bool,
-    budget_bytes: int,
-    compute_dtype: torch.dtype | None = None,
-    logit_scale: torch.Tensor | None = None,
-    softcap: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, lse) by PyTorch's own autograd over the same chunked math, any AD mode.
-
-    ``logit_scale`` / ``softcap`` given as 0-d tensors replace the spec's numbers and are
-    differentiated. Nothing is written in place into a shared buffer (functorch transforms
-    forbid it). Reverse mode keeps every chunk's float32 logits for the backward, as eager
-    PyTorch keeps its logits; forward mode keeps none.
-    """
-    vocab = classifier.shape[0]
-    rows = row_targets(targets, class_weights, spec, vocab)
-    c32, b32, w32 = _operands(classifier, bias, class_weights, compute_dtype)
-    scale = spec.logit_scale if logit_scale is None else logit_scale
-    cap = spec.softcap if softcap is None else softcap
-    rows_io = _Rows(hidden, spec.shift)
-    h32 = _float(rows_io.read(), compute_dtype)
-    stats: list[list[torch.Tensor]] = [[], [], []]  # lse, target logit, wsum per chunk
-    for start, stop in _ranges(rows_io.count, cpu_chunk_rows(vocab, budget_bytes)):
-        z = _logits(h32[start:stop], c32, b32, scale, cap)
-        stats[0].append(torch.logsumexp(z, dim=-1))
-        stats[1].append(z.gather(1, rows.safe[start:stop, None])[:, 0])
-        if spec.needs_wsum:
-            stats[2].append(z @ w32 if w32 is not None else z.sum(-1))
-    empty = hidden.new_zeros(0, dtype=torch.float32)
-    lse, target_logit, wsum = (torch.cat(s) if s else empty for s in stats)
-    loss = finish_loss(lse, target_logit, wsum if spec.needs_wsum else None, rows, spec, vocab)
-    return loss, returned_lse(lse, rows, lse_all_rows)

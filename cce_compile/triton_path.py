@@ -25,18 +25,19 @@ rounds to bfloat16.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 from . import filtering, policy
-from .interface import Coefficients, ForwardOut, Gradients, Needs, RowStats
+from .interface import Coefficients, ForwardOut, Gradients, HeadInputs, Needs, RowStats
 from .kernels.chunk_softmax_grad import chunk_softmax_grad
 from .kernels.common import RowLayout, TileConfig, check_operands, row_layout
 from .kernels.logit_grad import logit_grad
 from .kernels.lse_forward import lse_forward, partial_blocks
 from .kernels.scale_cast import scale_cast
-from .loss_math import LossSpec, RowTargets, finish_loss, row_coefficient_parts
+from .loss_math import RowTargets, finish_loss, row_coefficient_parts
 
 # Widest hidden size that takes the small-tile configuration (see _tile_config).
 SMALL_TILE_MAX_DIM = 2048
@@ -93,8 +94,15 @@ def _rounded(compute_dtype: torch.dtype | None, t: torch.Tensor | None) -> torch
     return t if t is None or compute_dtype is None else t.to(compute_dtype)
 
 
-def _heavy(spec: LossSpec, class_weights: torch.Tensor | None) -> bool:
-    return bool(spec.softcap or spec.label_smoothing or class_weights is not None)
+def _part(t: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    return None if t is None else t[start:stop]
+
+
+def _config_of(head: HeadInputs, hidden: torch.Tensor) -> TileConfig:
+    """The GEMM kernels' tiles for ``head`` (``hidden``: its hidden in the compute dtype)."""
+    spec = head.spec
+    heavy = bool(spec.softcap or spec.label_smoothing or head.class_weights is not None)
+    return _tile_config(hidden.device, heavy, hidden.element_size(), dim=head.classifier.shape[1])
 
 
 def _work_dtype(tensor: torch.Tensor) -> torch.dtype:
@@ -102,14 +110,27 @@ def _work_dtype(tensor: torch.Tensor) -> torch.dtype:
     return torch.float32 if tensor.device.type == "cpu" else tensor.dtype
 
 
-def _problem(layout: RowLayout, classifier, work: torch.Tensor, compute_dtype) -> policy.Problem:
-    vocab, dim = classifier.shape
+def _problem(layout: RowLayout, head: HeadInputs, work: torch.Tensor) -> policy.Problem:
+    """The head's sizes as ``policy`` takes them (``work``: a tensor in the GEMMs' dtype)."""
+    vocab, dim = head.classifier.shape
     return policy.Problem(
         rows=layout.n_positions,
         vocab=vocab,
         dim=dim,
         logit_bytes=torch.finfo(_work_dtype(work)).bits // 8,
-        rounds_inputs=compute_dtype is not None,
+        rounds_inputs=head.compute_dtype is not None,
+    )
+
+
+def _slab_operands(
+    head: HeadInputs, start: int, stop: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The classes [start, stop) of the head as the kernels take them: classifier and bias
+    rounded to the compute dtype (one slab at a time: no V x D copy), class weights."""
+    return (
+        _rounded(head.compute_dtype, head.classifier[start:stop]),
+        _rounded(head.compute_dtype, _part(head.bias, start, stop)),
+        _part(head.class_weights, start, stop),
     )
 
 
@@ -167,18 +188,59 @@ def _tile_width(columns: int, tile: int, vocab: int) -> int:
     return min(vocab, max(tile, columns // tile * tile))
 
 
+@dataclasses.dataclass
+class _Partials:
+    """``lse_forward``'s per-program partials of each row, (programs, N): the lse, and where
+    asked the weighted sum, the mean logit under the program's softmax, and the largest logit
+    with its first class (int32)."""
+
+    lse: torch.Tensor
+    wsum: torch.Tensor | None
+    mean_z: torch.Tensor | None
+    top: tuple[torch.Tensor, torch.Tensor] | None
+
+    @staticmethod
+    def empty(
+        programs: int, n_rows: int, device: torch.device, *, wsum: bool, mean_z: bool, argmax: bool
+    ) -> _Partials:
+        """Room for ``programs`` programs' partials of ``n_rows`` rows."""
+        lse = torch.empty((programs, n_rows), dtype=torch.float32, device=device)
+        top = (torch.empty_like(lse), torch.empty_like(lse, dtype=torch.int32)) if argmax else None
+        return _Partials(
+            lse,
+            torch.empty_like(lse) if wsum else None,
+            torch.empty_like(lse) if mean_z else None,
+            top,
+        )
+
+    def outputs(self, first: int, last: int, target_logit: torch.Tensor) -> dict:
+        """``lse_forward``'s output arguments for the programs [first, last)."""
+        return dict(
+            out=(self.lse[first:last], target_logit, _part(self.wsum, first, last)),
+            mean_z_out=_part(self.mean_z, first, last),
+            argmax_out=None if self.top is None else tuple(t[first:last] for t in self.top),
+        )
+
+    def row_stats(self, target_logit: torch.Tensor, tile: int, block_lse: bool) -> RowStats:
+        """Each row's statistics over every program's classes (``block_lse``: also per block
+        of classes, programs of ``tile`` classes)."""
+        wsum = self.wsum.sum(0) if self.wsum is not None else None
+        blocks = filtering.block_lse_from_partials(self.lse, tile) if block_lse else None
+        lse = torch.logsumexp(self.lse, dim=0)
+        stats = RowStats(lse, target_logit, wsum, blocks)
+        if self.mean_z is not None:  # each program's mean weighted by its share of the mass
+            stats.mean_z = (torch.exp(self.lse - lse) * self.mean_z).sum(0)
+        if self.top is not None:  # the first program holding the row's largest logit
+            top, arg = self.top
+            program = top.argmax(0, keepdim=True)
+            stats.argmax = arg.gather(0, program)[0].long()
+        return stats
+
+
 def logit_stats(
-    hidden: torch.Tensor,
-    classifier: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weights: torch.Tensor | None,
-    spec: LossSpec,
+    head: HeadInputs,
     *,
-    col_start: int,
     all_rows: bool,
-    budget_bytes: int,
-    compute_dtype: torch.dtype | None = None,
     block_lse: bool = False,
     mean_z: bool = False,
     argmax: bool = False,
@@ -188,33 +250,30 @@ def logit_stats(
     the lse per block of classes (filtering.py), from the same partials; ``mean_z`` and
     ``argmax``: also each row's mean logit under the softmax and first largest logit's class,
     from per-program partials combined the same way."""
-    hidden = _rounded(compute_dtype, hidden)
-    vocab, dim = classifier.shape
-    config = _tile_config(
-        hidden.device, _heavy(spec, class_weights), hidden.element_size(), dim=dim
-    )
+    spec, vocab = head.spec, head.vocab
+    hidden = _rounded(head.compute_dtype, head.hidden)
+    config = _config_of(head, hidden)
     layout = row_layout(hidden, spec.shift)
     tile = config.block_v * config.tiles_per_program
-    problem = _problem(layout, classifier, hidden, compute_dtype)
-    width = _tile_width(policy.forward_slab_columns(problem, budget_bytes), tile, vocab)
-    device = hidden.device
-    n_rows = layout.n_rows
-    partial_lse = torch.empty(
-        (partial_blocks(vocab, config), n_rows), dtype=torch.float32, device=device
+    problem = _problem(layout, head, hidden)
+    width = _tile_width(policy.forward_slab_columns(problem, head.budget_bytes), tile, vocab)
+    partials = _Partials.empty(
+        partial_blocks(vocab, config),
+        layout.n_rows,
+        hidden.device,
+        wsum=spec.needs_wsum,
+        mean_z=mean_z,
+        argmax=argmax,
     )
-    partial_wsum = torch.empty_like(partial_lse) if spec.needs_wsum else None
-    partial_mean_z = torch.empty_like(partial_lse) if mean_z else None
-    partial_max = torch.empty_like(partial_lse) if argmax else None
-    partial_arg = torch.empty_like(partial_lse, dtype=torch.int32) if argmax else None
-    target_logit = torch.zeros(n_rows, dtype=torch.float32, device=device)
+    target_logit = torch.zeros(layout.n_rows, dtype=torch.float32, device=hidden.device)
     for start, stop in _slabs(vocab, width):
-        first, last = start // tile, partial_blocks(stop, config)
+        classifier, bias, class_weights = _slab_operands(head, start, stop)
         lse_forward(
             hidden,
-            _rounded(compute_dtype, classifier[start:stop]),
-            targets,
-            None if bias is None else _rounded(compute_dtype, bias[start:stop]),
-            None if class_weights is None else class_weights[start:stop],
+            classifier,
+            head.targets,
+            bias,
+            class_weights,
             shift=spec.shift,
             ignore_index=spec.ignore_index,
             logit_scale=spec.logit_scale,
@@ -222,140 +281,182 @@ def logit_stats(
             skip_ignored_tiles=not all_rows,
             needs_wsum=spec.needs_wsum,
             config=config,
-            col_start=col_start + start,
-            out=(
-                partial_lse[first:last],
-                target_logit,
-                None if partial_wsum is None else partial_wsum[first:last],
-            ),
-            mean_z_out=None if partial_mean_z is None else partial_mean_z[first:last],
-            argmax_out=None
-            if partial_max is None
-            else (
-                partial_max[first:last],
-                partial_arg[first:last],
-            ),
+            col_start=head.col_start + start,
+            **partials.outputs(start // tile, partial_blocks(stop, config), target_logit),
         )
-    wsum = partial_wsum.sum(0) if partial_wsum is not None else None
-    blocks = filtering.block_lse_from_partials(partial_lse, tile) if block_lse else None
-    lse = torch.logsumexp(partial_lse, dim=0)
-    stats = RowStats(lse, target_logit, wsum, blocks)
-    if partial_mean_z is not None:  # each program's mean weighted by its share of the mass
-        stats.mean_z = (torch.exp(partial_lse - lse) * partial_mean_z).sum(0)
-    if partial_max is not None:  # the first program holding the row's largest logit
-        program = partial_max.argmax(0, keepdim=True)
-        stats.argmax = partial_arg.gather(0, program)[0].long()
-    return stats
+    return partials.row_stats(target_logit, tile, block_lse)
+
+
+@dataclasses.dataclass
+class _PositionCoefficients:
+    """Fast mode's per-position inputs of ``chunk_softmax_grad`` for a unit upstream gradient:
+    each position's target (clamped: a valid class) and coefficients (0 where no loss row)."""
+
+    targets: torch.Tensor
+    p_base: torch.Tensor
+    p_per_lse: torch.Tensor | None
+    coef_t: torch.Tensor
+    coef_w: torch.Tensor
+
+    @staticmethod
+    def of(head: HeadInputs, rows: RowTargets, layout: RowLayout) -> _PositionCoefficients:
+        unit = torch.ones((), device=head.hidden.device)
+        parts = row_coefficient_parts(unit, None, rows, head.spec, head.vocab)
+        to_positions = layout.rows_to_positions
+        return _PositionCoefficients(
+            to_positions(rows.safe),
+            to_positions(parts.p_base),
+            None if parts.p_per_lse is None else to_positions(parts.p_per_lse),
+            to_positions(parts.coef_t),
+            to_positions(parts.coef_w),
+        )
+
+    def chunk(self, start: int, stop: int) -> dict:
+        """The positions [start, stop) as ``chunk_softmax_grad``'s keyword arguments."""
+        fields = dataclasses.fields(self)
+        return {f.name: _part(getattr(self, f.name), start, stop) for f in fields}
+
+
+class _FastBuffers:
+    """Fast mode's buffers, filled chunk by chunk of positions: the float32 logits and their
+    gradient over their own memory, each position's lse, target logit, wsum (and mean logit,
+    argmax where asked), and the gradients for a unit upstream gradient."""
+
+    def __init__(
+        self,
+        head: HeadInputs,
+        layout: RowLayout,
+        needs: Needs,
+        chunk: int,
+        work: torch.Tensor,
+        *,
+        entropy: bool,
+        argmax: bool,
+    ):
+        """Room for ``chunk`` positions' logits (``work``: hidden in the compute dtype)."""
+        vocab, dim = head.classifier.shape
+        device, n_positions = work.device, layout.n_positions
+        # float32 logits; the gradient, rounded to the compute dtype, over their own memory.
+        self.logits = torch.empty(
+            (min(chunk, max(n_positions, 1)), vocab), dtype=torch.float32, device=device
+        )
+        work_dtype = _work_dtype(work)
+        self.grad = (
+            self.logits if work_dtype == torch.float32 else self.logits.view(work_dtype)[:, :vocab]
+        )
+        # In hidden's own dtype (the op's output); each chunk's GEMM writes float32 (``stage``)
+        # that is rounded once into it: a bf16 GEMM output lets cuBLAS reduce split-K partials
+        # in bf16 (allow_bf16_reduced_precision_reduction), which measurably loses accuracy
+        # against lean mode on a peaked softmax. No N x D float32 buffer.
+        hidden_dtype = head.hidden.dtype
+        self.grad_positions = (
+            torch.empty((n_positions, dim), dtype=hidden_dtype, device=device)
+            if needs.hidden
+            else None
+        )
+        self.stage = None
+        if self.grad_positions is not None and hidden_dtype != torch.float32:
+            self.stage = torch.empty(
+                (self.logits.shape[0], dim), dtype=torch.float32, device=device
+            )
+        # The classifier's gradient itself, in its dtype, accumulates the chunks (no separate
+        # float32 buffer): float32 under AMP, exact; bf16 for bf16 weights, each chunk's float32
+        # product added in cuBLAS's epilogue and rounded once. Written, not accumulated, by the
+        # first chunk's GEMM (beta = 0): no zero fill, unless there is no chunk at all (no rows).
+        alloc = torch.empty if n_positions else torch.zeros
+        self.grad_classifier = (
+            alloc((vocab, dim), dtype=head.classifier.dtype, device=device)
+            if needs.classifier
+            else None
+        )
+        self.grad_bias = (
+            torch.zeros(vocab, dtype=torch.float32, device=device) if needs.bias else None
+        )
+        lse = torch.empty(n_positions, dtype=torch.float32, device=device)
+        wsum = torch.empty_like(lse) if head.spec.needs_wsum else None
+        self.stats = (lse, torch.empty_like(lse), wsum)  # lse, target logit, wsum
+        self.mean_z = torch.empty_like(lse) if entropy else None
+        self.argmax = torch.empty_like(lse, dtype=torch.int64) if argmax else None
+
+    def chunk_outputs(self, start: int, stop: int) -> dict:
+        """``chunk_softmax_grad``'s output arguments for the positions [start, stop)."""
+        return dict(
+            grad=self.grad[: stop - start],
+            out=tuple(_part(s, start, stop) for s in self.stats),
+            mean_z_out=_part(self.mean_z, start, stop),
+            argmax_out=_part(self.argmax, start, stop),
+        )
+
+    def add_gradients(self, start: int, stop: int, h: torch.Tensor, classifier) -> None:
+        """The chunk's shares of the gradients from its logits' gradient (``h``: its hidden
+        positions, ``classifier`` in the compute dtype)."""
+        grad = self.grad[: stop - start]
+        if self.stage is not None:
+            self.grad_positions[start:stop] = _matmul(
+                grad, classifier, out=self.stage[: stop - start]
+            )
+        elif self.grad_positions is not None:
+            _matmul(grad, classifier, out=self.grad_positions[start:stop])
+        if self.grad_classifier is not None:
+            _addmm_(self.grad_classifier, grad.t(), h, first=start == 0)
+        if self.grad_bias is not None:
+            self.grad_bias += grad.sum(0, dtype=torch.float32)
+
+    def result(self, head: HeadInputs, rows: RowTargets, layout: RowLayout) -> ForwardOut:
+        """The loss, each row's statistics and the gradients in the inputs' dtypes."""
+        lse, target_logit, wsum = (_rows_of(layout, s) for s in self.stats)
+        out = ForwardOut(finish_loss(lse, target_logit, wsum, rows, head.spec, head.vocab), lse)
+        if self.mean_z is not None:
+            out.entropy = lse - layout.positions_to_rows(self.mean_z)
+        out.argmax = _rows_of(layout, self.argmax)
+        if self.grad_positions is not None:
+            out.grad_hidden = _hidden_grad(self.grad_positions, layout, head.hidden)
+        out.grad_classifier = self.grad_classifier
+        out.grad_bias = None if self.grad_bias is None else self.grad_bias.to(head.bias.dtype)
+        return out
+
+
+def _rows_of(layout: RowLayout, positions: torch.Tensor | None) -> torch.Tensor | None:
+    return None if positions is None else layout.positions_to_rows(positions)
 
 
 def fast_forward(
-    hidden: torch.Tensor,
-    classifier: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weights: torch.Tensor | None,
-    spec: LossSpec,
+    head: HeadInputs,
     rows: RowTargets,
     *,
     needs: Needs,
-    budget_bytes: int,
-    compute_dtype: torch.dtype | None = None,
     entropy: bool = False,
     argmax: bool = False,
 ) -> ForwardOut:
     """Fast mode: loss, lse and the gradients for a unit upstream gradient, computed in
     chunks of positions (three GEMMs); with ``entropy`` / ``argmax`` also those of each row,
     from the same pass over each chunk's logits."""
-    hidden_c, classifier_c = _rounded(compute_dtype, hidden), _rounded(compute_dtype, classifier)
-    bias_c = _rounded(compute_dtype, bias)
-    vocab, dim = classifier.shape
-    device = hidden.device
-    layout = row_layout(hidden_c, spec.shift)
-    positions = layout.positions()
-    n_positions = layout.n_positions
-    to_positions = layout.rows_to_positions
-    problem = _problem(layout, classifier, hidden_c, compute_dtype)
-    chunk = policy.fast_run_rows(problem, needs.classifier, budget_bytes)
-    parts = row_coefficient_parts(torch.ones((), device=device), None, rows, spec, vocab)
-    p_base, coef_t, coef_w = (to_positions(v) for v in (parts.p_base, parts.coef_t, parts.coef_w))
-    p_per_lse = None if parts.p_per_lse is None else to_positions(parts.p_per_lse)
-    targets = to_positions(rows.safe)
-    # float32 logits; the gradient, rounded to the compute dtype, over their own memory.
-    logits_buf = torch.empty(
-        (min(chunk, max(n_positions, 1)), vocab), dtype=torch.float32, device=device
+    hidden, classifier, bias = (
+        _rounded(head.compute_dtype, t) for t in (head.hidden, head.classifier, head.bias)
     )
-    work_dtype = _work_dtype(hidden_c)
-    grad_buf = logits_buf if work_dtype == torch.float32 else logits_buf.view(work_dtype)[:, :vocab]
-    # In hidden's own dtype (the op's output); each chunk's GEMM writes float32 (``stage``)
-    # that is rounded once into it: a bf16 GEMM output lets cuBLAS reduce split-K partials in
-    # bf16 (allow_bf16_reduced_precision_reduction), which measurably loses accuracy against
-    # lean mode on a peaked softmax. No N x D float32 buffer.
-    grad_positions = (
-        torch.empty((n_positions, dim), dtype=hidden.dtype, device=device) if needs.hidden else None
-    )
-    stage = None
-    if grad_positions is not None and hidden.dtype != torch.float32:
-        stage = torch.empty((logits_buf.shape[0], dim), dtype=torch.float32, device=device)
-    # The classifier's gradient itself, in its dtype, accumulates the chunks (no separate
-    # float32 buffer): float32 under AMP, exact; bf16 for bf16 weights, each chunk's float32
-    # product added in cuBLAS's epilogue and rounded once. Written, not accumulated, by the
-    # first chunk's GEMM (beta = 0): no zero fill, unless there is no chunk at all (no rows).
-    alloc = torch.empty if n_positions else torch.zeros
-    grad_classifier = (
-        alloc((vocab, dim), dtype=classifier.dtype, device=device) if needs.classifier else None
-    )
-    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if needs.bias else None
-    lse_positions = torch.empty(n_positions, dtype=torch.float32, device=device)
-    stats = (
-        lse_positions,
-        torch.empty_like(lse_positions),
-        torch.empty_like(lse_positions) if spec.needs_wsum else None,
-    )
-    mean_z_positions = torch.empty_like(lse_positions) if entropy else None
-    argmax_positions = torch.empty_like(lse_positions, dtype=torch.int64) if argmax else None
-    classifier_t = classifier_c.t()
+    layout = row_layout(hidden, head.spec.shift)
+    positions, n_positions = layout.positions(), layout.n_positions
+    problem = _problem(layout, head, hidden)
+    chunk = policy.fast_run_rows(problem, needs.classifier, head.budget_bytes)
+    coefs = _PositionCoefficients.of(head, rows, layout)
+    out = _FastBuffers(head, layout, needs, chunk, hidden, entropy=entropy, argmax=argmax)
+    classifier_t = classifier.t()
     for start in range(0, n_positions, chunk):
         stop = min(start + chunk, n_positions)
-        h = positions[start:stop]
-        logits, grad = logits_buf[: stop - start], grad_buf[: stop - start]
+        h, logits = positions[start:stop], out.logits[: stop - start]
         _matmul(h, classifier_t, out=logits)
         chunk_softmax_grad(
             logits,
-            targets[start:stop],
-            class_weights,
-            p_base[start:stop],
-            None if p_per_lse is None else p_per_lse[start:stop],
-            coef_t[start:stop],
-            coef_w[start:stop],
-            logit_scale=spec.logit_scale,
-            softcap=spec.softcap,
-            smoothing=spec.needs_wsum,
-            bias=bias_c,
-            grad=grad,
-            out=tuple(None if s is None else s[start:stop] for s in stats),
-            mean_z_out=None if mean_z_positions is None else mean_z_positions[start:stop],
-            argmax_out=None if argmax_positions is None else argmax_positions[start:stop],
+            class_weights=head.class_weights,
+            logit_scale=head.spec.logit_scale,
+            softcap=head.spec.softcap,
+            smoothing=head.spec.needs_wsum,
+            bias=bias,
+            **coefs.chunk(start, stop),
+            **out.chunk_outputs(start, stop),
         )
-        if stage is not None:
-            grad_positions[start:stop] = _matmul(grad, classifier_c, out=stage[: stop - start])
-        elif grad_positions is not None:
-            _matmul(grad, classifier_c, out=grad_positions[start:stop])
-        if grad_classifier is not None:
-            _addmm_(grad_classifier, grad.t(), h, first=start == 0)
-        if grad_bias is not None:
-            grad_bias += grad.sum(0, dtype=torch.float32)
-    lse, target_logit, wsum = (None if s is None else layout.positions_to_rows(s) for s in stats)
-    loss = finish_loss(lse, target_logit, wsum, rows, spec, vocab)
-    out = ForwardOut(loss, lse)
-    if mean_z_positions is not None:
-        out.entropy = lse - layout.positions_to_rows(mean_z_positions)
-    if argmax_positions is not None:
-        out.argmax = layout.positions_to_rows(argmax_positions)
-    if grad_positions is not None:
-        out.grad_hidden = _hidden_grad(grad_positions, layout, hidden)
-    out.grad_classifier = grad_classifier
-    out.grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-    return out
+        out.add_gradients(start, stop, h, classifier)
+    return out.result(head, rows, layout)
 
 
 def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -365,70 +466,97 @@ def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return scale_cast(x, scale, x.dtype, out=x)
 
 
+class _SlabGradients:
+    """The lean backward's gradients, filled slab by slab of classes: hidden's by position
+    (float32, accumulated), the classifier's rows of each slab (written once, in its dtype),
+    the bias's (float32)."""
+
+    def __init__(self, head: HeadInputs, layout: RowLayout, needs: Needs):
+        vocab, dim = head.classifier.shape
+        device, n_positions = head.classifier.device, layout.n_positions
+        self.hidden = (
+            torch.empty((n_positions, dim), dtype=torch.float32, device=device)
+            if needs.hidden
+            else None
+        )
+        self.positions = layout.positions() if needs.classifier else None
+        self.classifier = (
+            torch.empty((vocab, dim), dtype=head.classifier.dtype, device=device)
+            if needs.classifier
+            else None
+        )
+        self.bias = torch.empty(vocab, dtype=torch.float32, device=device) if needs.bias else None
+
+    def add(self, slab: torch.Tensor, classifier_slab: torch.Tensor, start: int, stop: int) -> None:
+        """The gradients' shares of the slab of classes [start, stop) from its logits'
+        gradient (``classifier_slab``: its rows in the compute dtype)."""
+        if self.hidden is not None:
+            _addmm_(self.hidden, slab, classifier_slab, first=start == 0)
+        if self.classifier is not None:
+            # Positions that are no loss row have zero gradient rows in the slab.
+            _matmul(slab.t(), self.positions, out=self.classifier[start:stop])
+        if self.bias is not None:
+            self.bias[start:stop] = slab.sum(0, dtype=torch.float32)
+
+    def result(self, layout: RowLayout, hidden: torch.Tensor) -> Gradients:
+        grad_hidden = None if self.hidden is None else _hidden_grad(self.hidden, layout, hidden)
+        return grad_hidden, self.classifier, self.bias
+
+
+def _lean_slab_width(
+    head: HeadInputs, layout: RowLayout, hidden: torch.Tensor, config: TileConfig, needs: Needs
+) -> int:
+    """The lean backward's classes per slab (``hidden`` in the compute dtype).
+
+    Slabs start on filtering blocks, so that no tile straddles two; the same widths with and
+    without filtering keep d hidden's slab-by-slab sum in one order (grad_filter=0 is then
+    bit for bit the exact result)."""
+    problem = _problem(layout, head, hidden)
+    columns = policy.lean_slab_columns(problem, needs.hidden, head.budget_bytes)
+    return _tile_width(columns, math.lcm(filtering.FILTER_BLOCK, config.block_v), head.vocab)
+
+
 def gradients(
-    hidden: torch.Tensor,
-    classifier: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weights: torch.Tensor | None,
+    head: HeadInputs,
     lse: torch.Tensor,
     coefs: Coefficients,
-    spec: LossSpec,
     *,
-    col_start: int,
     needs: Needs,
-    budget_bytes: int,
-    compute_dtype: torch.dtype | None = None,
     keep_blocks: torch.Tensor | None = None,
 ) -> Gradients:
     """Slab by slab of classes: ``logit_grad`` recomputes the slab's logits and writes their
     gradient, cuBLAS turns it into d hidden (float32, accumulated) and d classifier[slab]
     (written once, in the classifier's dtype) and the bias gradient (float32)."""
-    hidden = _rounded(compute_dtype, hidden)
-    vocab, dim = classifier.shape
-    device = hidden.device
+    spec = head.spec
+    hidden = _rounded(head.compute_dtype, head.hidden)
     # Once here rather than in every slab's launch: the contiguous copies it may make.
     bias, class_weights, classifier = check_operands(
-        hidden, classifier, targets, bias, class_weights, spec.shift
+        hidden, head.classifier, head.targets, head.bias, head.class_weights, spec.shift
     )
+    head = dataclasses.replace(head, classifier=classifier, bias=bias, class_weights=class_weights)
     layout = row_layout(hidden, spec.shift)
-    coefs = tuple(layout.rows_to_positions(c) for c in coefs)
-    lse_positions = layout.rows_to_positions(lse)
-    config = _tile_config(device, _heavy(spec, class_weights), hidden.element_size(), dim=dim)
-    problem = _problem(layout, classifier, hidden, compute_dtype)
-    # Slabs start on filtering blocks, so that no tile straddles two; the same widths with
-    # and without filtering keep d hidden's slab-by-slab sum in one order (grad_filter=0
-    # is then bit for bit the exact result).
-    unit = math.lcm(filtering.FILTER_BLOCK, config.block_v)
-    width = _tile_width(policy.lean_slab_columns(problem, needs.hidden, budget_bytes), unit, vocab)
-    keep = None if keep_blocks is None else layout.rows_to_positions(keep_blocks)
-    n_positions = layout.n_positions
-    slab_buf = torch.empty((n_positions, width), dtype=_work_dtype(hidden), device=device)
-    grad_positions = (
-        torch.empty((n_positions, dim), dtype=torch.float32, device=device)
-        if needs.hidden
-        else None
+    to_positions = layout.rows_to_positions
+    coefs, lse_positions = tuple(to_positions(c) for c in coefs), to_positions(lse)
+    keep = None if keep_blocks is None else to_positions(keep_blocks)
+    config = _config_of(head, hidden)
+    width = _lean_slab_width(head, layout, hidden, config, needs)
+    slab_buf = torch.empty(
+        (layout.n_positions, width), dtype=_work_dtype(hidden), device=hidden.device
     )
-    positions = layout.positions() if needs.classifier else None
-    grad_classifier = (
-        torch.empty((vocab, dim), dtype=classifier.dtype, device=device)
-        if needs.classifier
-        else None
-    )
-    grad_bias = torch.empty(vocab, dtype=torch.float32, device=device) if needs.bias else None
-    for start, stop in _slabs(vocab, width):
+    grads = _SlabGradients(head, layout, needs)
+    for start, stop in _slabs(head.vocab, width):
         slab = slab_buf[:, : stop - start]
-        classifier_slab = _rounded(compute_dtype, classifier[start:stop])
+        classifier_slab, bias_slab, weights_slab = _slab_operands(head, start, stop)
         logit_grad(
             hidden,
             classifier_slab,
-            targets,
-            None if bias is None else _rounded(compute_dtype, bias[start:stop]),
-            None if class_weights is None else class_weights[start:stop],
+            head.targets,
+            bias_slab,
+            weights_slab,
             lse_positions,
             coefs,
             slab,
-            target_offset=col_start + start,
+            target_offset=head.col_start + start,
             shift=spec.shift,
             logit_scale=spec.logit_scale,
             softcap=spec.softcap,
@@ -437,14 +565,5 @@ def gradients(
             keep=keep,
             filter_block=filtering.FILTER_BLOCK,
         )
-        if grad_positions is not None:
-            _addmm_(grad_positions, slab, classifier_slab, first=start == 0)
-        if grad_classifier is not None:
-            # Positions that are no loss row have zero gradient rows in the slab.
-            _matmul(slab.t(), positions, out=grad_classifier[start:stop])
-        if grad_bias is not None:
-            grad_bias[start:stop] = slab.sum(0, dtype=torch.float32)
-    grad_hidden = None
-    if grad_positions is not None:
-        grad_hidden = _hidden_grad(grad_positions, layout, hidden)
-    return grad_hidden, grad_classifier, grad_bias
+        grads.add(slab, classifier_slab, start, stop)
+    return grads.result(layout, hidden)

@@ -63,9 +63,9 @@ def implementation(request, monkeypatch):
             target = getattr(impl, name)
             if name in ("logit_stats", "gradients", "fast_forward"):
 
-                def record(hidden, *args, **kwargs):
-                    seen.append((name, tuple(hidden.shape)))
-                    return target(hidden, *args, **kwargs)
+                def record(head, *args, **kwargs):
+                    seen.append((name, tuple(head.hidden.shape)))
+                    return target(head, *args, **kwargs)
 
                 return record
             return target

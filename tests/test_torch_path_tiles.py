@@ -12,6 +12,7 @@ from test_functional import run_and_compare
 
 import cce_compile
 from cce_compile import filtering, policy, torch_path
+from cce_compile.interface import HeadInputs
 
 LEAD, DIM, VOCAB = (3, 9), 16, 600  # 27 rows; slabs of 256: 256 + 256 + 88 classes
 
@@ -109,10 +110,10 @@ def test_vocabulary_split_over_slabs(small_tiles):
     case = build_case(leading=LEAD, dim=DIM, vocab=VOCAB, seed=9)
     spec = cce_compile.loss_math.LossSpec()
     hidden, part = case.hidden, case.classifier[300:]
-    args = (hidden, part, case.targets, None, None, spec)
-    tiled = torch_path.logit_stats(
-        *args, col_start=300, all_rows=True, budget_bytes=policy.MIN_BUDGET
+    head = HeadInputs(
+        hidden, part, case.targets, None, None, spec, policy.MIN_BUDGET, col_start=300
     )
+    tiled = torch_path.logit_stats(head, all_rows=True)
     logits = hidden.reshape(-1, DIM).double() @ part.double().T
     torch.testing.assert_close(tiled.lse, torch.logsumexp(logits, -1).float())
     flat = case.targets.reshape(-1)

@@ -43,18 +43,19 @@ from __future__ import annotations
 import torch
 
 from .. import call_plan, decide, execution
-from ..interface import ForwardOut, Gradients, Needs, RowStats
+from ..interface import ForwardOut, Gradients, HeadInputs, Needs, RowStats
 from ..loss_math import LossSpec, finish_loss, returned_lse, row_targets
 from ..op_signature import Bound
 from . import collectives
 
 
-def _shard_weights(args: Bound) -> torch.Tensor | None:
-    """This rank's slice of the class weights (the statistics and gradients use it)."""
-    if args.class_weights is None:
-        return None
-    start = args.vocab_start
-    return args.class_weights[start : start + args.classifier.shape[0]]
+def _shard(args: Bound, budget: int) -> HeadInputs:
+    """This rank's classes, from ``vocab_start``, with their slice of the class weights (the
+    statistics and gradients compute on them)."""
+    start, weights = args.vocab_start, args.class_weights
+    if weights is not None:
+        weights = weights[start : start + args.classifier.shape[0]]
+    return execution.head_inputs(args, budget, class_weights=weights, col_start=start)
 
 
 def _local_stats(args: Bound, spec: LossSpec, budget: int) -> RowStats:
@@ -64,19 +65,9 @@ def _local_stats(args: Bound, spec: LossSpec, budget: int) -> RowStats:
         rows = hidden.shape[0] * (hidden.shape[1] - spec.shift)
         empty = hidden.new_zeros(rows, dtype=torch.float32)
         return RowStats(empty - float("inf"), empty, empty if spec.needs_wsum else None)
+    impl = call_plan.implementation_for(hidden.device)
     with call_plan.float32_math(hidden.device):
-        return call_plan.implementation_for(hidden.device).logit_stats(
-            hidden,
-            classifier,
-            args.targets,
-            args.bias,
-            _shard_weights(args),
-            spec,
-            col_start=args.vocab_start,
-            all_rows=args.lse_all_rows,
-            budget_bytes=budget,
-            compute_dtype=call_plan.compute_dtype_of(args),
-        )
+        return impl.logit_stats(_shard(args, budget), all_rows=args.lse_all_rows)
 
 
 def _combine(local: RowStats, group_name: str) -> RowStats:
@@ -131,16 +122,7 @@ def _gradients_rows(args: Bound, needs: Needs, budget: int) -> Gradients:
         )
     else:
         impl = call_plan.implementation_for(hidden.device)
-        grads = execution.lean_gradients(
-            args,
-            impl,
-            needs,
-            budget,
-            lse,
-            coefs,
-            col_start=args.vocab_start,
-            class_weights=_shard_weights(args),
-        )
+        grads = execution.lean_gradients(args, impl, _shard(args, budget), needs, lse, coefs)
     grad_hidden, grad_classifier, grad_bias = grads
     # No rows kept (alike on every rank): every rank's gradient is zero, nothing to reduce.
     if grad_hidden is not None and args.reduce_hidden_grad and grad_hidden.numel():

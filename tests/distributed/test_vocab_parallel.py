@@ -266,7 +266,7 @@ def _check(results: list[dict], name: str) -> None:
         _, call = CASES.get(name, (dict(), dict()))
         if "compile" in call:  # compiling synchronises at will; the run is the eager one's
             continue
-        # Scalar reads that are no device sync on a GPU: call_plan.check_targets' range check
+        # Scalar reads that are no device sync on a GPU: decide.check_targets' range check
         # (CPU only, unless check_targets is set), and for a DTensor classifier DTensor's own
         # shard-offset arithmetic (on a CPU tensor: tensor._utils._get_first_offset); an
         # ignore_index given as a tensor is read once, as F.cross_entropy reads it.
