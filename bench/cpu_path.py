@@ -7,7 +7,7 @@ slows every method alike; the tables give the median and the spread (min-max) ov
   1024 rows, D 128, V 32768, float32, 10% of targets ignored unless ``--ignored``): plain
   torch.compile (Inductor), the op in lean and in fast mode, and with ``--baseline REF`` the
   op with the torch_path.py of git revision REF (to measure a change in the same process; REF's
-  functions must take ``interface.HeadInputs``, as this checkout's ``execution`` calls them).
+  functions must take ``interface.HeadInputs``, as this checkout's ``op.dispatch`` calls them).
 * ``demo``: one training step of ``python -m cce_compile.demo``'s GPT (its CPU defaults):
   tokens/s and the peak memory of one step measured as the demo does (the profiler's memory
   timeline), torch.compile against cce_compile (and the baseline).
@@ -36,39 +36,42 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import cce_compile  # noqa: E402
-from cce_compile import execution  # noqa: E402
 from cce_compile.demo.__main__ import DEFAULTS  # noqa: E402
 from cce_compile.demo.models import ModelConfig, build  # noqa: E402
 from cce_compile.demo.train import RunConfig, _make_step, batches, step_peak_bytes  # noqa: E402
+from cce_compile.op import dispatch  # noqa: E402
 
 
 def load_baseline(ref: str):
     """torch_path.py of git revision ``ref`` as a module of the package (relative imports)."""
     source = subprocess.run(
-        ["git", "show", f"{ref}:cce_compile/torch_path.py"],
+        ["git", "show", f"{ref}:cce_compile/implementations/torch_path.py"],
         cwd=ROOT,
         check=True,
         capture_output=True,
         text=True,
     ).stdout
-    name = "cce_compile._torch_path_at_" + "".join(c if c.isalnum() else "_" for c in ref)
+    name = "cce_compile.implementations._torch_path_at_" + "".join(
+        c if c.isalnum() else "_" for c in ref
+    )
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
-    module.__package__ = "cce_compile"
+    module.__package__ = "cce_compile.implementations"
     sys.modules[name] = module  # dataclasses look their module up
-    exec(compile(source, f"{ref}:cce_compile/torch_path.py", "exec"), module.__dict__)
+    where = f"{ref}:cce_compile/implementations/torch_path.py"
+    exec(compile(source, where, "exec"), module.__dict__)
     return module
 
 
 @contextlib.contextmanager
 def implementation(module):
     """Run the op with ``module`` as the CPU path (None: the checked-out torch_path)."""
-    saved = execution.implementation_for
+    saved = dispatch.implementation_for
     if module is not None:
-        execution.implementation_for = lambda device: module
+        dispatch.implementation_for = lambda device: module
     try:
         yield
     finally:
-        execution.implementation_for = saved
+        dispatch.implementation_for = saved
 
 
 def interleaved(

@@ -22,7 +22,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import cce_compile  # noqa: E402
 from bench import SHAPES, Scenario, cuda_time_ms, make_inputs  # noqa: E402
-from cce_compile import config, policy, triton_path  # noqa: E402
+from cce_compile import config, policy  # noqa: E402
+from cce_compile.implementations import triton_path  # noqa: E402
 from cce_compile.kernels.common import TileConfig  # noqa: E402
 
 CANDIDATES = [

@@ -1,8 +1,8 @@
 """The public function: ``cce_compile.linear_cross_entropy``.
 
 It asks ``decide`` whether its arguments are valid, what autocast gives the head, the mode and
-the rest of the call's choices, and calls the op (``ops``). Where the op's autograd formula
-cannot serve the call (``decide.route``: forward-mode AD, functorch transforms, a
+the rest of the call's choices, and calls the op (``op.custom_ops``). Where the op's autograd
+formula cannot serve the call (``decide.route``: forward-mode AD, functorch transforms, a
 ``logit_scale`` or ``softcap`` tensor that requires grad) it takes ``autograd_fallback``
 instead — the same math under PyTorch's own autograd — and says so once.
 """
@@ -15,10 +15,11 @@ import logging
 import torch
 from torch import Tensor
 
-from . import autograd_fallback, decide
-from . import ops as _ops  # registers torch.ops.cce
+from . import decide
+from .implementations import autograd_fallback
 from .loss_math import LossSpec
-from .op_signature import FORWARD, FORWARD_RETURNS
+from .op import custom_ops as _ops
+from .op.signature import FORWARD, FORWARD_RETURNS
 
 log = logging.getLogger("cce_compile")
 _warned: set[str] = set()

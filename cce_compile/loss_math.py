@@ -45,7 +45,7 @@ def _finite(value: float) -> bool:
 class LossSpec:
     """The static options of one loss: everything but the tensors.
 
-    The field list is also the options part of the op's argument list (``op_signature``), so
+    The field list is also the options part of the op's argument list (``op.signature``), so
     a new option is declared here once. Values are checked on construction: the op receives
     them at run time (a compiled graph may pass symbolic ones), so an impossible value is a
     clear error there, never a different loss.

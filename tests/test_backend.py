@@ -96,7 +96,7 @@ CACHE_SCRIPT = textwrap.dedent(
     """
     import torch, torch.nn.functional as F
     from torch._dynamo.utils import counters
-    import cce_compile, cce_compile.torch_path as torch_path
+    import cce_compile, cce_compile.implementations.torch_path as torch_path
 
     calls = []
     real = torch_path.fast_forward, torch_path.logit_stats

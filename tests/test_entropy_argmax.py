@@ -12,7 +12,9 @@ from oracle import LOSS_RTOL, assert_close, oracle, oracle_logits
 from strategies import build_case
 
 import cce_compile
-from cce_compile import config, execution, torch_path
+from cce_compile import config
+from cce_compile.implementations import torch_path
+from cce_compile.op import dispatch
 
 # Compaction at these small sizes on a GPU too (conftest.skip_at_any_size).
 pytestmark = pytest.mark.usefixtures("skip_at_any_size")
@@ -33,10 +35,10 @@ TRITON = os.environ.get("TRITON_INTERPRET") == "1" or DEVICE == "cuda"
 )
 def implementation(request, monkeypatch):
     if request.param == "triton":
-        from cce_compile import triton_path as impl
+        from cce_compile.implementations import triton_path as impl
     else:
         impl = torch_path
-    monkeypatch.setattr(execution, "implementation_for", lambda device: impl)
+    monkeypatch.setattr(dispatch, "implementation_for", lambda device: impl)
 
 
 OPTIONS = {

@@ -13,6 +13,7 @@ from strategies import build_case
 
 import cce_compile
 from cce_compile import filtering, loss_math
+from cce_compile.op import dispatch
 
 lce = cce_compile.linear_cross_entropy
 BETA = 2.0**-12
@@ -102,14 +103,14 @@ PATHS = ["torch"] + (["triton"] if TRITON else [])
 
 @pytest.fixture
 def path(request, monkeypatch):
-    from cce_compile import execution, torch_path
+    from cce_compile.implementations import torch_path
 
     if request.param == "triton":
-        from cce_compile import triton_path
+        from cce_compile.implementations import triton_path
 
-        monkeypatch.setattr(execution, "implementation_for", lambda device: triton_path)
+        monkeypatch.setattr(dispatch, "implementation_for", lambda device: triton_path)
     else:
-        monkeypatch.setattr(execution, "implementation_for", lambda device: torch_path)
+        monkeypatch.setattr(dispatch, "implementation_for", lambda device: torch_path)
     return request.param
 
 
@@ -156,9 +157,9 @@ def test_beta_zero_is_bit_for_bit_the_exact_result(path):
 
 @pytest.mark.skipif(not TRITON, reason="needs a GPU or TRITON_INTERPRET=1")
 def test_whole_tiles_are_skipped_on_the_triton_path(monkeypatch):
-    from cce_compile import execution, triton_path
+    from cce_compile.implementations import triton_path
 
-    monkeypatch.setattr(execution, "implementation_for", lambda device: triton_path)
+    monkeypatch.setattr(dispatch, "implementation_for", lambda device: triton_path)
     _run(peaked_case(leading=(2, 20), first_block=True), "triton", BETA)
     assert filtering.report()["kept_tiles"] <= 0.25 + 1e-6  # the other 3 blocks: no tile
 
@@ -197,7 +198,7 @@ def test_the_pass_carries_the_setting_into_the_op():
     import torch.nn.functional as F
 
     from cce_compile import config
-    from cce_compile.op_signature import FORWARD
+    from cce_compile.op.signature import FORWARD
     from cce_compile.passes.graph_pass import pass_uuid, run_on_module
 
     def grab(graphs):

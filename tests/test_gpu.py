@@ -50,7 +50,8 @@ def _errors(case: Case, loss, leaves, reference_leaves):
 )
 # 2304: the large tiles; 520 and 515 with the plain epilogue: the small-tile configuration
 # (D <= 2048; the heavy epilogue keeps its tiles), with TMA (rows 16-byte aligned) and with
-# pointers (odd D). tests/test_triton_path.py checks which configuration each case gets.
+# pointers (odd D). tests/implementations/test_triton_path.py checks which configuration each
+# case gets.
 @pytest.mark.parametrize("dim", [2304, 520, 515], ids=["d2304", "d520-tma", "d515-pointers"])
 def test_realistic_shape_matches_float64(mode, options, dim):
     """Both modes keep float32 logits: the loss to float32 rounding, the gradients to one

@@ -82,7 +82,7 @@ def test_mixed_devices_rejected():
 
 
 def test_validation_runs_before_any_kernel(monkeypatch):
-    import cce_compile.torch_path as torch_path
+    import cce_compile.implementations.torch_path as torch_path
 
     calls = []
     real_forward = torch_path.logit_stats

@@ -5,8 +5,9 @@ Public surface::
     cce_compile.distributed.vocab_parallel_cross_entropy(hidden, classifier_shard, targets, ...)
     cce_compile.distributed.deferred_head(model, "lm_head")   # FSDP2 recipe (recipes.py)
 
-and ``torch.ops.cce.vocab_parallel_cross_entropy`` (``ops``), which the graph pass inserts for
-a ``ColwiseParallel`` lm_head (``cce_compile.passes.tensor_parallel``). See docs/distributed.md.
+and ``torch.ops.cce.vocab_parallel_cross_entropy`` (``distributed.ops``), which the graph pass
+inserts for a ``ColwiseParallel`` lm_head (``cce_compile.passes.tensor_parallel``). See
+docs/distributed.md.
 """
 
 from __future__ import annotations

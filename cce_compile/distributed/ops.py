@@ -15,9 +15,8 @@ import pathlib
 import torch
 from torch import Tensor
 
-from .. import versioning
-from ..op_signature import LOSS_OPTIONS
-from ..ops import (
+from ..op import versioning
+from ..op.custom_ops import (
     define,
     differentiate,
     row_index_fake,
@@ -26,6 +25,7 @@ from ..ops import (
     save_context,
     saved_by_name,
 )
+from ..op.signature import LOSS_OPTIONS
 from . import vocab_parallel
 from .signature import BACKWARD, FORWARD, FORWARD_RETURNS
 

@@ -3,16 +3,16 @@
 The op ``cce::vocab_parallel_cross_entropy`` is called by the public function
 (``distributed.functional``) and by the graph pass (``passes.tensor_parallel``); its autograd
 formula (``distributed.ops``) reads the arguments back by name. The loss options are
-``LossSpec``'s fields, as for ``cce::linear_cross_entropy`` (``op_signature``).
+``LossSpec``'s fields, as for ``cce::linear_cross_entropy`` (``op.signature``).
 """
 
 from __future__ import annotations
 
-from .. import op_signature
-from ..op_signature import GRAD_FLAGS, LOSS_OPTIONS, Argument, Returns, Signature
+from ..op import signature as single_device
+from ..op.signature import GRAD_FLAGS, LOSS_OPTIONS, Argument, Returns, Signature
 
 # The loss options as the single-device op declares them (LossSpec's fields).
-_OPTIONS = [a for a in op_signature.FORWARD.arguments if a.name in LOSS_OPTIONS]
+_OPTIONS = [a for a in single_device.FORWARD.arguments if a.name in LOSS_OPTIONS]
 _GRAD_FLAGS = [Argument(name, "bool") for name in GRAD_FLAGS]
 _INPUTS = [
     Argument("hidden", "Tensor"),  # (B, T, D), the same on every rank of the group
@@ -20,7 +20,7 @@ _INPUTS = [
     Argument("targets", "Tensor"),  # (B, T) int, global class ids, the same on every rank
     Argument("bias", "Tensor?"),  # (V_local,): this rank's slice
     Argument("class_weights", "Tensor?"),  # (vocab_size,): the whole vocabulary's
-    Argument("compute_dtype", "ScalarType?", default=None),  # as in op_signature
+    Argument("compute_dtype", "ScalarType?", default=None),  # as in op.signature
 ]
 _SHARD = [
     Argument("vocab_start", "int"),  # the first class of this rank's shard

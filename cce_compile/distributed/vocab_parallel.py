@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import torch
 
-from .. import call_plan, decide, execution
-from ..interface import ForwardOut, Gradients, HeadInputs, Needs, RowStats
+from .. import decide
+from ..implementations.interface import ForwardOut, Gradients, HeadInputs, Needs, RowStats
 from ..loss_math import LossSpec, finish_loss, returned_lse, row_targets
-from ..op_signature import Bound
+from ..op import call_plan, dispatch
+from ..op.signature import Bound
 from . import collectives
 
 
@@ -55,7 +56,7 @@ def _shard(args: Bound, budget: int) -> HeadInputs:
     start, weights = args.vocab_start, args.class_weights
     if weights is not None:
         weights = weights[start : start + args.classifier.shape[0]]
-    return execution.head_inputs(args, budget, class_weights=weights, col_start=start)
+    return dispatch.head_inputs(args, budget, class_weights=weights, col_start=start)
 
 
 def _local_stats(args: Bound, spec: LossSpec, budget: int) -> RowStats:
@@ -90,7 +91,7 @@ def forward(args: Bound) -> ForwardOut:
     ``lse_all_rows``), the same on every rank; with ``skip_ignored`` on the rows whose target
     counts, which every rank selects alike (the same targets), so the collectives agree."""
     decide.check_targets(args.targets, args.class_weights, args.spec(), args.vocab_size)
-    return execution.on_kept_rows(args, _forward_rows)
+    return dispatch.on_kept_rows(args, _forward_rows)
 
 
 def _forward_rows(args: Bound, budget: int) -> ForwardOut:
@@ -106,11 +107,11 @@ def backward(args: Bound) -> Gradients:
     """Gradients for (hidden, classifier, bias) in their dtypes, None where not needed, on the
     rows the forward computed on. hidden's is all-reduced here (``reduce_hidden_grad``) or
     left this rank's partial sum."""
-    return execution.recompute(args, call_plan.needs_of(args), _gradients_rows)
+    return dispatch.recompute(args, call_plan.needs_of(args), _gradients_rows)
 
 
 def _gradients_rows(args: Bound, needs: Needs, budget: int) -> Gradients:
-    lse, coefs = execution.coefficients(args, args.vocab_size)
+    lse, coefs = dispatch.coefficients(args, args.vocab_size)
     hidden, classifier, bias = args.hidden, args.classifier, args.bias
     if classifier.shape[0] == 0:  # an empty shard contributes nothing but takes part below
         grads = (
@@ -122,10 +123,10 @@ def _gradients_rows(args: Bound, needs: Needs, budget: int) -> Gradients:
         )
     else:
         impl = call_plan.implementation_for(hidden.device)
-        grads = execution.lean_gradients(args, impl, _shard(args, budget), needs, lse, coefs)
+        grads = dispatch.lean_gradients(args, impl, _shard(args, budget), needs, lse, coefs)
     grad_hidden, grad_classifier, grad_bias = grads
     # No rows kept (alike on every rank): every rank's gradient is zero, nothing to reduce.
     if grad_hidden is not None and args.reduce_hidden_grad and grad_hidden.numel():
         # In float32, before the one rounding to hidden's dtype; in place: the buffer is ours.
         grad_hidden = collectives.all_reduce_(grad_hidden.contiguous(), "sum", args.group_name)
-    return execution.in_input_dtypes((grad_hidden, grad_classifier, grad_bias), args)
+    return dispatch.in_input_dtypes((grad_hidden, grad_classifier, grad_bias), args)

@@ -25,7 +25,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, GraphModule
 
 from .. import config
-from ..ops import IMPLEMENTATION_VERSION
+from ..op.custom_ops import IMPLEMENTATION_VERSION
 from . import logs, report, tracing
 from .matching import find_sites
 from .plain import OP

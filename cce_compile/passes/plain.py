@@ -17,8 +17,8 @@ import torch
 from torch.fx import Graph, Node
 
 from .. import config, decide
-from ..op_signature import FORWARD
-from ..ops import IMPLEMENTATION_VERSION
+from ..op.custom_ops import IMPLEMENTATION_VERSION
+from ..op.signature import FORWARD
 from . import escapes, placeholder, safety
 from . import predicates as p
 from . import walk as w

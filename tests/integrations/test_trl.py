@@ -235,16 +235,16 @@ def trl_runs():
 @pytest.fixture
 def op_forwards(monkeypatch):
     """Counts the op's forward runs (compiled code calls the op too, so it counts them)."""
-    from cce_compile import execution
+    from cce_compile.op import dispatch
 
     calls = []
-    forward = execution.forward
+    forward = dispatch.forward
 
     def counting(args):
         calls.append(args)
         return forward(args)
 
-    monkeypatch.setattr(execution, "forward", counting)
+    monkeypatch.setattr(dispatch, "forward", counting)
     return calls
 
 

@@ -17,7 +17,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def small_config():
     """The tiles the op would use for these (float32) inputs on this device."""
-    from cce_compile import triton_path
+    from cce_compile.implementations import triton_path
 
     return triton_path._tile_config(torch.device(DEVICE), elem_bytes=4, dim=37)
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from harness import OP, check
 
 import cce_compile
-from cce_compile.op_signature import FORWARD
+from cce_compile.op.signature import FORWARD
 
 REPLACED = {
     F.cross_entropy,

@@ -109,12 +109,12 @@ def test_warm_cache_compiled_under_another_budget_is_not_replayed(monkeypatch):
     under one budget must not be replayed under the other."""
     from torch._inductor.utils import fresh_cache
 
-    from cce_compile import execution
+    from cce_compile.op import dispatch
 
     modes = []
-    real_forward = execution.forward
+    real_forward = dispatch.forward
     monkeypatch.setattr(
-        execution, "forward", lambda args: modes.append(args.mode) or real_forward(args)
+        dispatch, "forward", lambda args: modes.append(args.mode) or real_forward(args)
     )
     gen = torch.Generator().manual_seed(0)
     # 600 rows: a 1 MiB budget holds fewer fast rows than the floor, 4 GiB all of them.

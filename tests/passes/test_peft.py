@@ -23,7 +23,7 @@ from torch._dynamo.utils import counters
 
 import cce_compile
 from cce_compile import config
-from cce_compile.op_signature import FORWARD
+from cce_compile.op.signature import FORWARD
 
 pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -13,7 +13,9 @@ from strategies import build_case
 from test_functional import run_and_compare
 
 import cce_compile
-from cce_compile import config, decide, execution, torch_path
+from cce_compile import config, decide
+from cce_compile.implementations import torch_path
+from cce_compile.op import dispatch
 
 # Compaction at these small sizes on a GPU too (conftest.skip_at_any_size).
 pytestmark = pytest.mark.usefixtures("skip_at_any_size")
@@ -53,7 +55,7 @@ def _implementations():
 def implementation(request, monkeypatch):
     """Which implementation runs, recording the rows (positions of hidden) it is given."""
     if request.param == "triton":
-        from cce_compile import triton_path as impl
+        from cce_compile.implementations import triton_path as impl
     else:
         impl = torch_path
     seen = []
@@ -70,7 +72,7 @@ def implementation(request, monkeypatch):
                 return record
             return target
 
-    monkeypatch.setattr(execution, "implementation_for", lambda device: Recording())
+    monkeypatch.setattr(dispatch, "implementation_for", lambda device: Recording())
     return seen
 
 
@@ -236,7 +238,7 @@ def test_gradient_filtering_on_the_kept_rows(implementation):
 
 def test_the_op_returns_the_rows_it_computed_on():
     case = _case(shift=1, ignored=0.5)
-    from cce_compile.op_signature import FORWARD
+    from cce_compile.op.signature import FORWARD
 
     call = FORWARD.build(
         hidden=case.hidden,
@@ -256,7 +258,7 @@ def test_the_op_returns_the_rows_it_computed_on():
         grad_hidden=False,
         grad_classifier=False,
         grad_bias=False,
-        implementation_version=cce_compile.ops.IMPLEMENTATION_VERSION,
+        implementation_version=cce_compile.op.custom_ops.IMPLEMENTATION_VERSION,
         skip_ignored=True,
     )
     row_index = OP(*call)[6]  # (loss, lse, three fast buffers, keep_blocks, row_index, ...)

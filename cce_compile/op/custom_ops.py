@@ -7,8 +7,8 @@ they trace under torch.compile with static or dynamic shapes, and neither synchr
 host. In "fast" mode the forward also returns the gradients for a unit upstream gradient, which
 the backward only scales.
 
-The argument lists live in ``op_signature``; the real kernels hand their bound arguments to
-``execution``. This module only registers the ops and their autograd formula.
+The argument lists live in ``signature``; the real kernels hand their bound arguments to
+``dispatch``. This module only registers the ops and their autograd formula.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import execution, filtering, versioning
-from .op_signature import (
+from .. import filtering
+from . import dispatch, versioning
+from .signature import (
     BACKWARD,
     BACKWARD_RETURNS,
     FORWARD,
@@ -168,7 +169,7 @@ def _forward(*values) -> tuple[Tensor, ...]:
     logit's class (0 and -1 at ignored rows), without gradient; else empty.
     """
     args = FORWARD.bind(values)
-    out = execution.forward(args)
+    out = dispatch.forward(args)
     hidden, classifier = args.hidden, args.classifier
     rows = row_shape(hidden, args.shift)
     f32 = torch.float32
@@ -226,7 +227,7 @@ def _forward_fake(*values):
         fast_grad_classifier=_like_if(fast and args.grad_classifier, classifier),
         fast_grad_bias=_like_if(fast and args.grad_bias and bias is not None, bias, classifier),
         keep_blocks=_like_if(
-            execution.filters(args), classifier, shape=filtered_rows, dtype=torch.uint8
+            dispatch.filters(args), classifier, shape=filtered_rows, dtype=torch.uint8
         ),
         row_index=row_index_fake(args, hidden),
         entropy=_like_if(args.return_entropy, hidden, shape=rows, dtype=f32),
@@ -273,7 +274,7 @@ def define(name: str, signatures: tuple, implementations: tuple) -> tuple:
 linear_cross_entropy, linear_cross_entropy_backward = define(
     "linear_cross_entropy",
     (FORWARD, FORWARD_RETURNS, BACKWARD),
-    (_forward, _forward_fake, execution.backward),
+    (_forward, _forward_fake, dispatch.backward),
 )
 
 _PASSED_ON = ("compute_dtype", *LOSS_OPTIONS, "lse_all_rows")  # forward -> backward
@@ -288,7 +289,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(
         *buffers.values(), out.keep_blocks, out.row_index, out.entropy, out.argmax
     )
-    ctx.filtered = execution.filters(args)
+    ctx.filtered = dispatch.filters(args)
     ctx.passed_on = args.pick(_PASSED_ON)
     # Which fast-mode buffers the forward filled: static flags, not sizes (no guards). The
     # backward hands each out once (``_take_fast_gradients``).
@@ -327,7 +328,7 @@ def _backward(ctx, grad_loss, grad_lse, *_unused):
 
 def _take_fast_gradients(ctx, grad_loss, buffers: dict) -> tuple | None:
     """Fast mode's buffers of the gradients this backward asks for, scaled in place by the
-    upstream gradient (``execution.scale_gradient_``) and handed to autograd as the gradients
+    upstream gradient (``dispatch.scale_gradient_``) and handed to autograd as the gradients
     (no copy: the classifier's gradient is the only V x D tensor); None unless the forward
     filled every one asked for, unused, and a loss gradient arrived.
 
@@ -345,7 +346,7 @@ def _take_fast_gradients(ctx, grad_loss, buffers: dict) -> tuple | None:
         # (AOTAutograd traces every backward with grad enabled: it refuses double backward.)
         return None
     ctx.fast_held.difference_update(wanted)
-    scaled = {flag: execution.scale_gradient_(buffers[flag], grad_loss) for flag in wanted}
+    scaled = {flag: dispatch.scale_gradient_(buffers[flag], grad_loss) for flag in wanted}
     return tuple(scaled.get(flag) for flag in GRAD_FLAGS)
 
 

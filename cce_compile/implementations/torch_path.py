@@ -31,10 +31,10 @@ from collections.abc import Iterator
 
 import torch
 
-from . import filtering
+from .. import filtering
+from ..loss_math import LossSpec, RowTargets, finish_loss, row_coefficients
+from ..policy import cpu_chunk_rows
 from .interface import Coefficients, ForwardOut, Gradients, HeadInputs, Needs, RowStats
-from .loss_math import LossSpec, RowTargets, finish_loss, row_coefficients
-from .policy import cpu_chunk_rows
 
 # The most rows per lean tile. Tiles of fewer rows re-read each slab of the classifier more
 # often: at the CPU demo's shape 256-row tiles took 1.3x as long as 1024-row ones.

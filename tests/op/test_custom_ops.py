@@ -13,8 +13,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.optests.generate_tests import DEFAULT_TEST_UTILS
 
 import cce_compile
-import cce_compile.ops  # noqa: F401  (registers torch.ops.cce)
-from cce_compile.op_signature import BACKWARD, FORWARD, LOSS_OPTIONS
+import cce_compile.op.custom_ops
+from cce_compile.op.signature import BACKWARD, FORWARD, LOSS_OPTIONS
 
 OP = torch.ops.cce.linear_cross_entropy.default
 BACKWARD_OP = torch.ops.cce.linear_cross_entropy_backward.default
@@ -97,7 +97,7 @@ def op_args(options: dict, dtype=torch.float32, leading=(2, 5), dim=7, vocab=11,
         grad_hidden=True,
         grad_classifier=True,
         grad_bias=case.bias is not None,
-        implementation_version=cce_compile.ops.IMPLEMENTATION_VERSION,
+        implementation_version=cce_compile.op.custom_ops.IMPLEMENTATION_VERSION,
         **{
             k: options[k]
             for k in ("skip_ignored", "return_entropy", "return_argmax")
@@ -272,8 +272,8 @@ def test_compile_fullgraph_dynamic_no_recompile(mode):
 
 
 def test_a_stale_graph_calling_an_op_fails_loudly():
-    from cce_compile import versioning
     from cce_compile.distributed import ops as vocab_parallel_ops
+    from cce_compile.op import versioning
 
     stale = versioning.IMPLEMENTATION_VERSION ^ 1
     with pytest.raises(RuntimeError, match="cce::linear_cross_entropy was called with"):

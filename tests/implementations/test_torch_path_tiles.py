@@ -11,8 +11,9 @@ from strategies import build_case
 from test_functional import run_and_compare
 
 import cce_compile
-from cce_compile import filtering, policy, torch_path
-from cce_compile.interface import HeadInputs
+from cce_compile import filtering, policy
+from cce_compile.implementations import torch_path
+from cce_compile.implementations.interface import HeadInputs
 
 LEAD, DIM, VOCAB = (3, 9), 16, 600  # 27 rows; slabs of 256: 256 + 256 + 88 classes
 

@@ -16,6 +16,7 @@ from strategies import DTYPE_IDS, DTYPES, build_case, cases
 from test_functional import run_and_compare as _run_and_compare
 
 import cce_compile
+from cce_compile.op import dispatch
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -26,9 +27,9 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True)
 def triton_dispatch(monkeypatch):
-    from cce_compile import execution, triton_path
+    from cce_compile.implementations import triton_path
 
-    monkeypatch.setattr(execution, "implementation_for", lambda device: triton_path)
+    monkeypatch.setattr(dispatch, "implementation_for", lambda device: triton_path)
 
 
 def run_and_compare(case, mode="auto", **flags):
@@ -203,7 +204,7 @@ def test_hidden_layouts_and_load_paths(monkeypatch, dim, tma, layout):
 )
 def test_gpu_tile_choice(dim, heavy, elem_bytes, expected):
     """Which tiles a GPU launch gets (a CUDA device object needs no GPU to exist)."""
-    from cce_compile import triton_path
+    from cce_compile.implementations import triton_path
 
     config = triton_path._tile_config(torch.device("cuda"), heavy, elem_bytes, dim=dim)
     assert (config.block_n, config.block_v, config.num_warps) == expected

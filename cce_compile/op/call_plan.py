@@ -21,16 +21,17 @@ from collections.abc import Iterator
 
 import torch
 
-from . import decide, torch_path
-from .interface import Implementation, Needs
-from .op_signature import Bound
+from .. import decide
+from ..implementations import torch_path
+from ..implementations.interface import Implementation, Needs
+from .signature import Bound
 
 
 @functools.cache
 def _triton_path() -> Implementation | None:
     """The Triton implementation, or None where Triton cannot run."""
     try:
-        from . import triton_path
+        from ..implementations import triton_path
     except ImportError:
         return None
     return triton_path if triton_path.available() else None

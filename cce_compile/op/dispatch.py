@@ -1,6 +1,6 @@
 """The ops' dispatcher: forward and backward of both ops, on the rows that count.
 
-The op's kernels (``ops``, ``distributed.ops``) hand their bound arguments here. Each call:
+The op's kernels (``custom_ops``, ``distributed.ops``) hand their bound arguments here. Each call:
 
 1. is planned by ``call_plan`` (implementation, autocast off, compute dtype, budget, needs);
 2. runs on the rows whose target counts (``compaction``: ignored rows are skipped, and the
@@ -20,17 +20,19 @@ from collections.abc import Callable
 
 import torch
 
-from . import compaction, decide, filtering
-from .call_plan import (
-    budget_of,
-    compute_dtype_of,
-    float32_math,
-    implementation_for,
-    needs_of,
+from .. import decide, filtering
+from ..implementations.interface import (
+    Coefficients,
+    ForwardOut,
+    Gradients,
+    HeadInputs,
+    Implementation,
+    Needs,
 )
-from .interface import Coefficients, ForwardOut, Gradients, HeadInputs, Implementation, Needs
-from .loss_math import LossSpec, finish_loss, returned_lse, row_coefficients, row_targets
-from .op_signature import Bound
+from ..loss_math import LossSpec, finish_loss, returned_lse, row_coefficients, row_targets
+from . import compaction
+from .call_plan import budget_of, compute_dtype_of, float32_math, implementation_for, needs_of
+from .signature import Bound
 
 # forward_rows(args, budget) -> ForwardOut, on every row of ``args``.
 ForwardRows = Callable[[Bound, int], ForwardOut]

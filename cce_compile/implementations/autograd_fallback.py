@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from ..loss_math import LossSpec, finish_loss, returned_lse, row_targets
+from ..policy import cpu_chunk_rows
 from .interface import HeadInputs
-from .loss_math import LossSpec, finish_loss, returned_lse, row_targets
-from .policy import cpu_chunk_rows
 from .torch_path import Float32Operands
 
 

@@ -11,15 +11,19 @@ from __future__ import annotations
 import hashlib
 import pathlib
 
-_PACKAGE = pathlib.Path(__file__).parent
-# The graph pass, the demo and the settings' plumbing do not change what the op computes.
+_PACKAGE = pathlib.Path(__file__).parent.parent
+# What defines the ops: these folders, and the package's top-level modules but those below
+# (the public function and the graph pass's plumbing do not change what the op computes).
+_OP_FOLDERS = ("op", "implementations", "kernels")
 _NOT_OP_SOURCES = {"compile_backend.py", "_autoenable.py", "__init__.py", "functional.py"}
 
 
 def op_sources() -> list[pathlib.Path]:
     """The files that define the ops: their math, kernels, dispatch and autograd."""
     files = [p for p in sorted(_PACKAGE.glob("*.py")) if p.name not in _NOT_OP_SOURCES]
-    return files + sorted((_PACKAGE / "kernels").glob("*.py"))
+    for folder in _OP_FOLDERS:
+        files += sorted((_PACKAGE / folder).glob("*.py"))
+    return files
 
 
 def source_hash(paths: list[pathlib.Path], seed: bytes = b"") -> int:

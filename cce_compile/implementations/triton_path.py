@@ -30,14 +30,14 @@ import math
 
 import torch
 
-from . import filtering, policy
+from .. import filtering, policy
+from ..kernels.chunk_softmax_grad import chunk_softmax_grad
+from ..kernels.common import RowLayout, TileConfig, check_operands, row_layout
+from ..kernels.logit_grad import logit_grad
+from ..kernels.lse_forward import lse_forward, partial_blocks
+from ..kernels.scale_cast import scale_cast
+from ..loss_math import RowTargets, finish_loss, row_coefficient_parts
 from .interface import Coefficients, ForwardOut, Gradients, HeadInputs, Needs, RowStats
-from .kernels.chunk_softmax_grad import chunk_softmax_grad
-from .kernels.common import RowLayout, TileConfig, check_operands, row_layout
-from .kernels.logit_grad import logit_grad
-from .kernels.lse_forward import lse_forward, partial_blocks
-from .kernels.scale_cast import scale_cast
-from .loss_math import RowTargets, finish_loss, row_coefficient_parts
 
 # Widest hidden size that takes the small-tile configuration (see _tile_config).
 SMALL_TILE_MAX_DIM = 2048

@@ -34,9 +34,9 @@ import dataclasses
 
 import torch
 
-from . import policy
-from .loss_math import valid_rows
-from .op_signature import Bound
+from .. import policy
+from ..loss_math import valid_rows
+from .signature import Bound
 
 
 @dataclasses.dataclass(frozen=True)

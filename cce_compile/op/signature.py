@@ -1,7 +1,7 @@
 """The argument lists of the ``cce`` ops: the one place that names and orders them.
 
 Everything that builds or reads a call of the ops goes through a :class:`Signature`: the
-schema strings registered with ``torch.library`` (``ops``), the public function and the graph
+schema strings registered with ``torch.library`` (``custom_ops``), the public function and the graph
 rewrite that build calls (``functional``, ``passes.plain``), and the autograd formula that
 reads them back. Arguments are looked up by name, never by position. The loss options are the
 fields of :class:`~cce_compile.loss_math.LossSpec`, so a new option is declared there once.
@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .loss_math import LossSpec
+from ..loss_math import LossSpec
 
 # Python annotation of a LossSpec field -> its type in an op schema.
 _SCHEMA_TYPES = {"int": "int", "str": "str", "float": "float", "float | None": "float?"}
@@ -151,7 +151,7 @@ FORWARD = Signature(
         Argument("lse_all_rows", "bool"),  # the returned lse is valid at ignored rows too
         Argument("mode", "str"),  # "lean" or "fast"
         *_GRAD_FLAGS,
-        Argument("implementation_version", "int"),  # see versioning.py
+        Argument("implementation_version", "int"),  # see op/versioning.py
         # Gradient filtering's per-row budget of skipped softmax mass (filtering.py); lean only.
         Argument("grad_filter", "float?", default=None),
         # Compact away rows whose target is ignore_index before computing (compaction.py).

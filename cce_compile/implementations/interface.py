@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from .loss_math import LossSpec, RowTargets
+from ..loss_math import LossSpec, RowTargets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +95,7 @@ class HeadInputs:
 
 
 class Implementation(Protocol):
-    """What an implementation provides: the lean path's two halves (``execution`` builds the
+    """What an implementation provides: the lean path's two halves (``op.dispatch`` builds the
     loss and the backward from them with ``loss_math``), fast mode's fused forward, and one
     in-place scaling pass. Each of the first three computes over the classes of its
     :class:`HeadInputs`."""
