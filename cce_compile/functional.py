@@ -17,6 +17,7 @@ from torch import Tensor
 
 from . import decide
 from .implementations import autograd_fallback
+from .implementations.interface import HeadInputs
 from .loss_math import LossSpec
 from .op import custom_ops as _ops
 from .op.signature import FORWARD, FORWARD_RETURNS
@@ -194,16 +195,11 @@ def _fallback(tensors, compute_dtype, spec: LossSpec, scalars, wanted: _Wanted, 
         # their values: out-of-range targets then fail in the gather or give NaN rows)
         decide.check_targets(targets, class_weights, spec, classifier.shape[0])
     problem = decide.problem_of(hidden, classifier, spec.shift, compute_dtype)
+    budget = decide.budget_bytes(problem)
+    head = HeadInputs(*tensors, spec, budget, compute_dtype)
     loss, lse = autograd_fallback.differentiable_loss(
-        hidden,
-        classifier,
-        targets,
-        bias,
-        class_weights,
-        spec,
+        head,
         lse_all_rows=wanted.lse,
-        budget_bytes=decide.budget_bytes(problem),
-        compute_dtype=compute_dtype,
         logit_scale=torch.as_tensor(logit_scale, device=hidden.device),
         softcap=None if softcap is None else torch.as_tensor(softcap, device=hidden.device),
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..loss_math import LossSpec, finish_loss, returned_lse, row_targets
+from ..loss_math import finish_loss, returned_lse, row_targets
 from ..policy import cpu_chunk_rows
 from .interface import HeadInputs
 from .torch_path import Float32Operands
@@ -33,16 +33,9 @@ def _logits(h32, c32, b32, logit_scale, softcap) -> torch.Tensor:
 
 
 def differentiable_loss(
-    hidden: torch.Tensor,
-    classifier: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weights: torch.Tensor | None,
-    spec: LossSpec,
+    head: HeadInputs,
     *,
     lse_all_rows: bool,
-    budget_bytes: int,
-    compute_dtype: torch.dtype | None = None,
     logit_scale: torch.Tensor | None = None,
     softcap: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,16 +45,14 @@ def differentiable_loss(
     differentiated. Reverse mode keeps every chunk's float32 logits for the backward, as eager
     PyTorch keeps its logits; forward mode keeps none.
     """
-    head = HeadInputs(
-        hidden, classifier, targets, bias, class_weights, spec, budget_bytes, compute_dtype
-    )
-    rows = row_targets(targets, class_weights, spec, head.vocab)
+    spec = head.spec
+    rows = row_targets(head.targets, head.class_weights, spec, head.vocab)
     operands = Float32Operands.of(head)
     h32, w32 = operands.hidden, operands.class_weights
     scale = spec.logit_scale if logit_scale is None else logit_scale
     cap = spec.softcap if softcap is None else softcap
     stats: list[list[torch.Tensor]] = [[], [], []]  # lse, target logit, wsum per chunk
-    chunk = cpu_chunk_rows(head.vocab, budget_bytes)
+    chunk = cpu_chunk_rows(head.vocab, head.budget_bytes)
     for start in range(0, h32.shape[0], chunk):
         stop = start + chunk
         z = _logits(h32[start:stop], operands.classifier, operands.bias, scale, cap)
@@ -69,7 +60,7 @@ def differentiable_loss(
         stats[1].append(z.gather(1, rows.safe[start:stop, None])[:, 0])
         if spec.needs_wsum:
             stats[2].append(z @ w32 if w32 is not None else z.sum(-1))
-    empty = hidden.new_zeros(0, dtype=torch.float32)
+    empty = head.hidden.new_zeros(0, dtype=torch.float32)
     lse, target_logit, wsum = (torch.cat(s) if s else empty for s in stats)
     wsum = wsum if spec.needs_wsum else None
     loss = finish_loss(lse, target_logit, wsum, rows, spec, head.vocab)
