@@ -37,9 +37,13 @@ $(VENV)/.installed-test: $(VENV)/.installed-torch pyproject.toml cce_compile_aut
 # Everything: what `make test` and `make lint` use.
 install: $(VENV)/.installed-test
 
+# The suite in two phases on the CI's two cores: the single-process tests on two workers (one
+# per core; a file's tests stay on one worker and share its compiles), then the tests that start
+# groups of processes, alone (they use both cores themselves). Exit status 5: no test selected.
 test: install
 	$(PY) -m ruff check cce_compile tests bench examples
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not multiprocess" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m multiprocess $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 demo: $(VENV)/.installed-demo
 	$(PY) -m cce_compile.demo $(DEMO_ARGS)

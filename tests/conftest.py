@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 
 import pytest
 import torch
@@ -22,7 +23,16 @@ def pytest_addoption(parser):
     )
 
 
+_MULTIPROCESS_DIR = pathlib.Path(__file__).parent / "distributed"
+
+
 def pytest_collection_modifyitems(config, items):
+    # The tests that start groups of processes (tests/distributed/) are marked: `make test`
+    # runs them alone, after the others ran on two workers (they use both cores themselves).
+    multiprocess = pytest.mark.multiprocess
+    for item in items:
+        if _MULTIPROCESS_DIR in pathlib.Path(item.fspath).parents:
+            item.add_marker(multiprocess)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
