@@ -294,28 +294,14 @@ def filters(grad_filter: float | None, mode: str, needs_any: bool) -> bool:
 # --- problem, budget and mode ----------------------------------------------------------------
 
 
-def problem(rows: int, classifier_shape, compute, input_dtypes, device_type: str) -> policy.Problem:
-    """What the memory policy needs to know about a call: its loss rows, the (V, D) of its
-    classifier, the dtype its GEMMs run in and the dtypes of the inputs rounded to it."""
-    vocab, dim = classifier_shape
-    return policy.Problem(
-        rows=rows,
-        vocab=vocab,
-        dim=dim,
-        logit_bytes=compute.itemsize,
-        rounds_inputs=any(d != compute for d in input_dtypes),
-        device_type=device_type,
-    )
-
-
 def problem_of(hidden: Tensor, classifier: Tensor, shift: int, compute) -> policy.Problem:
-    """``problem`` of tensors: hidden (..., T, D), its rows shortened by ``shift``."""
+    """``policy.problem`` of a call's tensors: hidden (..., T, D), its rows shortened by
+    ``shift``, rounded to ``compute`` (None: hidden's dtype, which every input has)."""
     leading = hidden.shape[:-1]
     rows = (math.prod(leading) // max(leading[-1], 1)) * (leading[-1] - shift) if leading else 1
-    dtypes = (hidden.dtype, classifier.dtype) if compute is not None else ()
-    return problem(
-        rows, tuple(classifier.shape), compute or hidden.dtype, dtypes, hidden.device.type
-    )
+    rounds = compute is not None and any(d != compute for d in (hidden.dtype, classifier.dtype))
+    shape = tuple(classifier.shape)
+    return policy.problem(rows, shape, compute or hidden.dtype, rounds, hidden.device.type)
 
 
 def budget_bytes(problem: policy.Problem) -> int:

@@ -86,6 +86,14 @@ class Problem:
     device_type: str = "cuda"  # where it runs: the GPU's rules differ from the CPU path's
 
 
+def problem(rows: int, classifier_shape, logit_dtype, rounds_inputs: bool, device: str) -> Problem:
+    """The one constructor of a ``Problem``: a call's loss rows (or the positions its kernels
+    read), the (V, D) of its classifier, the ``torch.dtype`` of its logits (the GEMMs'), whether
+    it rounds float32 inputs to that dtype, and where it runs."""
+    vocab, dim = classifier_shape
+    return Problem(rows, vocab, dim, logit_dtype.itemsize, rounds_inputs, device)
+
+
 def budget_bytes(problem: Problem, budget_mb: int | None, fraction: float) -> int:
     """The extra memory the loss may use: an absolute budget, or a fraction of the logits."""
     if budget_mb is not None:

@@ -148,13 +148,13 @@ def test_site_grad_filter_is_the_setting_unless_the_options_conflict():
 def test_problem_of_tensors_is_the_problem_of_their_sizes():
     hidden, classifier, _ = _tensors(rows=7, dim=5, vocab=8)
     plain = decide.problem_of(hidden, classifier, 2, None)
-    assert plain == decide.problem(10, (8, 5), torch.float32, (), "cpu")
+    assert plain == policy.problem(10, (8, 5), torch.float32, False, "cpu")
     amp = decide.problem_of(hidden, classifier, 0, torch.bfloat16)
     assert amp == policy.Problem(14, 8, 5, 2, rounds_inputs=True, device_type="cpu")
 
 
 def test_mode_explicit_fast_without_a_scalar_loss_is_an_error_and_filtering_takes_lean():
-    problem = decide.problem(4096, (32000, 2048), torch.bfloat16, (), "cuda")
+    problem = policy.problem(4096, (32000, 2048), torch.bfloat16, False, "cuda")
     call = dict(needs_grad=True, needs_classifier=True, lse_has_grad=False)
     with pytest.raises(ValueError, match="mode='fast' needs reduction"):
         decide.mode("fast", problem, grad_filter=None, reduction="none", **call)

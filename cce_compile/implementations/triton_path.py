@@ -112,14 +112,9 @@ def _work_dtype(tensor: torch.Tensor) -> torch.dtype:
 
 def _problem(layout: RowLayout, head: HeadInputs, work: torch.Tensor) -> policy.Problem:
     """The head's sizes as ``policy`` takes them (``work``: a tensor in the GEMMs' dtype)."""
-    vocab, dim = head.classifier.shape
-    return policy.Problem(
-        rows=layout.n_positions,
-        vocab=vocab,
-        dim=dim,
-        logit_bytes=torch.finfo(_work_dtype(work)).bits // 8,
-        rounds_inputs=head.compute_dtype is not None,
-    )
+    rounds = head.compute_dtype is not None
+    shape = tuple(head.classifier.shape)
+    return policy.problem(layout.n_positions, shape, _work_dtype(work), rounds, "cuda")
 
 
 def _slab_operands(

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
-from .. import config, decide
+from .. import config, decide, policy
 from ..op.custom_ops import IMPLEMENTATION_VERSION
 from ..op.signature import FORWARD
 from . import escapes, placeholder, safety
@@ -298,13 +298,10 @@ def choose_site_mode(site: PlainSite, needs: tuple[bool, bool, bool]) -> str:
     if site.classifier_is_transposed:
         vocab, dim = dim, vocab
     operands = (p.tensor_value(site.hidden), classifier)
-    problem = decide.problem(
-        p.size_hint(site.rows) or 1,
-        (vocab, dim),
-        site.compute_dtype,
-        [t.dtype for t in operands],
-        operands[0].device.type,
-    )
+    rounds = any(t.dtype != site.compute_dtype for t in operands)
+    rows = p.size_hint(site.rows) or 1
+    device = operands[0].device.type
+    problem = policy.problem(rows, (vocab, dim), site.compute_dtype, rounds, device)
     return decide.mode(
         None,
         problem,
