@@ -74,7 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,  # one example per line
     )
-    model = parser.add_argument_group("model and training")
+    _model_options(parser.add_argument_group("model and training"), default)
+    _measure_options(parser.add_argument_group("measurements"))
+    _file_options(parser.add_argument_group("files"))
+    return parser
+
+
+def _model_options(model, default) -> None:
+    """The model's and the training run's options; ``default(i)``: DEFAULTS' i-th, as help."""
     model.add_argument(
         "--arch",
         choices=["gpt", "gla"],
@@ -123,7 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch's intra-op CPU threads for every run (default: torch's own choice, one "
         "per core; 1 can help where other work shares the cores)",
     )
-    measure = parser.add_argument_group("measurements")
+
+
+def _measure_options(measure) -> None:
     measure.add_argument(
         "--control",
         action="store_true",
@@ -141,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=512,
         help="the largest batch --max-batch tries (default: 512)",
     )
-    files = parser.add_argument_group("files")
+
+
+def _file_options(files) -> None:
     files.add_argument(
         "--corpus-bytes",
         type=int,
@@ -160,7 +171,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=pathlib.Path("demo_out"),
         help="where the results JSON and the PNG are written (default: ./demo_out)",
     )
-    return parser
 
 
 def main(argv=None) -> int:
@@ -177,45 +187,11 @@ def main(argv=None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: no CUDA GPU is visible to torch", file=sys.stderr)
+    device = _device(args.device)
+    if device is None:
         return 2
-    if device == "cpu":
-        print(
-            "No GPU: running on the CPU with the chunked PyTorch path (small defaults; peak "
-            "memory is what torch allocates during one training step). On a GPU the Triton "
-            "kernels run."
-        )
-    else:
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            print(
-                "Triton is not installed: the op falls back to the PyTorch path on the GPU "
-                "(correct but slow). pip install triton for the kernels."
-            )
-    vocab, dim, layers, heads, context, batch, steps = DEFAULTS[device]
-    model_cfg = ModelConfig(
-        vocab=args.vocab or vocab,
-        dim=args.dim or dim,
-        layers=args.layers or layers,
-        heads=args.heads or heads,
-        context=args.context or context,
-    )
-    cfg = RunConfig(
-        arch=args.arch,
-        model=model_cfg,
-        batch=args.batch or batch,
-        steps=args.steps or steps,
-        lr=args.lr,
-        seed=args.seed,
-        device=device,
-        control=args.control,
-    )
-
+    cfg = _run_config(args, device)
+    model_cfg = cfg.model
     print(
         f"Corpus: the standard library of Python {sys.version.split()[0]} "
         f"({len(corpus.stdlib_files())} files), vocabulary {model_cfg.vocab:,}"
@@ -234,32 +210,94 @@ def _run(args: argparse.Namespace) -> int:
     )
     tokens_per_step = cfg.batch * model_cfg.context
     comparison = compare(cfg, ids, progress=_progress(cfg.steps, tokens_per_step))
-    baseline, fused = comparison.baseline, comparison.fused
     if args.max_batch:
-        if device != "cuda":
-            print("--max-batch needs a GPU; skipped")
-        else:
-            for run, use_cce in ((baseline, False), (fused, True)):
-                run.max_batch, run.max_batch_tokens_per_s = max_batch(
-                    cfg,
-                    use_cce,
-                    cfg.batch,
-                    limit=args.max_batch_limit,
-                    report=lambda batch, rate, name=run.name: print(
-                        f"  {name:14s} batch {batch:5d}: "
-                        + (f"{rate:11,.0f} tok/s" if rate else "out of memory"),
-                        flush=True,
-                    ),
-                )
+        _max_batches(args, cfg, comparison)
+    _print_results(cfg, comparison)
+    return _save(args, cfg, comparison)
+
+
+def _device(asked: str) -> str | None:
+    """The device the demo runs on (None: asked for a GPU that is not there), said."""
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if asked == "auto" else asked
+    if device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA GPU is visible to torch", file=sys.stderr)
+        return None
+    if device == "cpu":
+        print(
+            "No GPU: running on the CPU with the chunked PyTorch path (small defaults; peak "
+            "memory is what torch allocates during one training step). On a GPU the Triton "
+            "kernels run."
+        )
+        return device
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print(
+            "Triton is not installed: the op falls back to the PyTorch path on the GPU "
+            "(correct but slow). pip install triton for the kernels."
+        )
+    return device
+
+
+def _run_config(args: argparse.Namespace, device: str) -> RunConfig:
+    """The runs' configuration: the options given, the device's defaults for the rest."""
+    vocab, dim, layers, heads, context, batch, steps = DEFAULTS[device]
+    model_cfg = ModelConfig(
+        vocab=args.vocab or vocab,
+        dim=args.dim or dim,
+        layers=args.layers or layers,
+        heads=args.heads or heads,
+        context=args.context or context,
+    )
+    return RunConfig(
+        arch=args.arch,
+        model=model_cfg,
+        batch=args.batch or batch,
+        steps=args.steps or steps,
+        lr=args.lr,
+        seed=args.seed,
+        device=device,
+        control=args.control,
+    )
+
+
+def _max_batches(args: argparse.Namespace, cfg: RunConfig, comparison) -> None:
+    """--max-batch: each run's largest batch that fits, and its tokens/s (GPU only)."""
+    if cfg.device != "cuda":
+        print("--max-batch needs a GPU; skipped")
+        return
+    for run, use_cce in ((comparison.baseline, False), (comparison.fused, True)):
+        run.max_batch, run.max_batch_tokens_per_s = max_batch(
+            cfg,
+            use_cce,
+            cfg.batch,
+            limit=args.max_batch_limit,
+            report=lambda batch, rate, name=run.name: print(
+                f"  {name:14s} batch {batch:5d}: "
+                + (f"{rate:11,.0f} tok/s" if rate else "out of memory"),
+                flush=True,
+            ),
+        )
+
+
+def _print_results(cfg: RunConfig, comparison) -> None:
+    """The table, the speed and the exactness, as the reader sees them."""
+    baseline, fused = comparison.baseline, comparison.fused
     logits_dtype = cfg.autocast_dtype or torch.float32
-    logits_mib = tokens_per_step * model_cfg.vocab * logits_dtype.itemsize / 2**20
+    tokens_per_step = cfg.batch * cfg.model.context
+    logits_mib = tokens_per_step * cfg.model.vocab * logits_dtype.itemsize / 2**20
     print()
     print(report.table(baseline, fused, logits_mib if fused.rewritten_sites else None))
     print()
     print(report.speed_text(comparison))
     print(report.exactness_text(comparison))
-    if device == "cpu":
+    if cfg.device == "cpu":
         print(report.CPU_NOTE)
+
+
+def _save(args: argparse.Namespace, cfg: RunConfig, comparison) -> int:
+    """The results JSON and the picture, under --out."""
+    model_cfg, device = cfg.model, cfg.device
     meta = {
         "arch": args.arch,
         "vocab": model_cfg.vocab,
