@@ -75,6 +75,11 @@ def check_tensors(hidden, classifier, targets, bias, class_weights, shard=None) 
     _check_per_class("class_weights", class_weights, shard.size if shard else local, "")
     if class_weights is not None and not class_weights.dtype.is_floating_point:
         raise TypeError(f"class_weights must be floating point, got {class_weights.dtype}")
+    if class_weights is not None and class_weights.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(
+            "the derivative for 'class_weights' is not implemented (as for F.cross_entropy's "
+            "weight): pass class_weights.detach()"
+        )
     devices = {
         t.device for t in (hidden, classifier, targets, bias, class_weights) if t is not None
     }
@@ -186,6 +191,17 @@ def with_scalars(spec: LossSpec, logit_scale, softcap) -> LossSpec:
             _check_scalar(name, value)
         values[name] = None if value is None else float(value)
     return dataclasses.replace(spec, **values)
+
+
+def checked_scalars(logit_scale, softcap) -> tuple:
+    """(logit_scale, softcap) for PyTorch's autograd (``route``): their values checked as a
+    number's are, where they can be read (a host read: eagerly, outside functorch transforms;
+    a compiled graph cannot branch on them, and reads them as they are)."""
+    for name, value in (("logit_scale", logit_scale), ("softcap", softcap)):
+        readable = isinstance(value, Tensor) and not torch.compiler.is_compiling()
+        if readable and not transform_route(value):
+            _check_scalar(name, float(value.detach()))
+    return logit_scale, softcap
 
 
 def loss_spec(

@@ -121,7 +121,7 @@ def _loss(tensors, spec: LossSpec, scalars, wanted: _Wanted, mode, grad_filter):
     compute_dtype = decide.compute_dtype(hidden, classifier, bias)
     hidden3, targets2, rows_shape = decide.canonical_form(hidden, targets, spec.shift)
     canonical = (hidden3, classifier, targets2, bias, class_weights)
-    route = decide.route((hidden, classifier, bias), *scalars)
+    route = decide.route(tensors, *scalars)  # targets too: vmap over the targets alone
     if route is None:
         spec = decide.with_scalars(spec, *scalars)
         outputs = _call_op(canonical, compute_dtype, spec, wanted, mode, grad_filter)
@@ -187,7 +187,7 @@ def _fallback(tensors, compute_dtype, spec: LossSpec, scalars, wanted: _Wanted, 
         )
     _say_once(route)
     hidden, classifier, targets, bias, class_weights = tensors
-    logit_scale, softcap = scalars
+    logit_scale, softcap = decide.checked_scalars(*scalars)
     # The scalars go to the fallback as they are (tensors are differentiated there).
     spec = dataclasses.replace(spec, logit_scale=1.0, softcap=None)
     if not (decide.transform_route(targets) or torch.compiler.is_compiling()):

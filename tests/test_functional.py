@@ -186,9 +186,17 @@ def test_class_weights_gradient_is_refused_like_pytorch():
     case = build_case(leading=(4,), dim=6, vocab=7, class_weights=True)
     case.hidden.requires_grad_()
     case.class_weights.requires_grad_()
-    loss = lce(case.hidden, case.classifier, case.targets, class_weights=case.class_weights)
+    logits = torch.nn.functional.linear(case.hidden, case.classifier)
+    with pytest.raises(RuntimeError, match="weight"):  # PyTorch refuses at the call
+        torch.nn.functional.cross_entropy(logits, case.targets, weight=case.class_weights)
     with pytest.raises(RuntimeError, match="class_weights"):
-        loss.backward()
+        lce(case.hidden, case.classifier, case.targets, class_weights=case.class_weights)
+    scale = torch.tensor(1.0, requires_grad=True)  # the autograd fallback's route too
+    with pytest.raises(RuntimeError, match="class_weights"):
+        lce(case.hidden, case.classifier, case.targets, class_weights=case.class_weights,
+            logit_scale=scale)  # fmt: skip
+    with torch.no_grad():  # no gradient asked: served
+        lce(case.hidden, case.classifier, case.targets, class_weights=case.class_weights)
 
 
 @pytest.mark.parametrize("where", ["ignored_row", "counted_row"])

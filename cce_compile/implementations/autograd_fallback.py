@@ -9,6 +9,8 @@ buffer, and autograd records each step.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..loss_math import finish_loss, returned_lse, row_targets
@@ -32,6 +34,25 @@ def _logits(h32, c32, b32, logit_scale, softcap) -> torch.Tensor:
     return z
 
 
+def _rounded_straight_through(head: HeadInputs) -> HeadInputs:
+    """``head`` with hidden, classifier and bias rounded to its compute dtype in float32, each
+    differentiated as the identity: the op's gradients are those of the rounded inputs, in the
+    inputs' own float32 (a cast's backward would round them to the compute dtype too)."""
+
+    def rounded(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or t.dtype == head.compute_dtype:
+            return t
+        return t + (t.to(head.compute_dtype).to(t.dtype) - t).detach()
+
+    return dataclasses.replace(
+        head,
+        hidden=rounded(head.hidden),
+        classifier=rounded(head.classifier),
+        bias=rounded(head.bias),
+        compute_dtype=None,
+    )
+
+
 def differentiable_loss(
     head: HeadInputs,
     *,
@@ -46,6 +67,16 @@ def differentiable_loss(
     PyTorch keeps its logits; forward mode keeps none.
     """
     spec = head.spec
+    device = head.hidden.device.type
+    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
+        # The chunks' math is float32, as the op's (it rounds the inputs to compute_dtype
+        # itself, as autocast would have): autocast off, or its matmuls would run in bf16.
+        with torch.autocast(device, enabled=False):
+            return differentiable_loss(
+                head, lse_all_rows=lse_all_rows, logit_scale=logit_scale, softcap=softcap
+            )
+    if head.compute_dtype is not None:  # the op's rounding, with the op's gradient
+        head = _rounded_straight_through(head)
     rows = row_targets(head.targets, head.class_weights, spec, head.vocab)
     operands = Float32Operands.of(head)
     h32, w32 = operands.hidden, operands.class_weights
