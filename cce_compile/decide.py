@@ -308,14 +308,26 @@ def problem(rows: int, classifier_shape, compute, input_dtypes, device_type: str
     )
 
 
-def problem_of(hidden: Tensor, classifier: Tensor, shift: int, compute) -> policy.Problem:
-    """``problem`` of tensors: hidden (..., T, D), its rows shortened by ``shift``."""
+def problem_of(
+    hidden: Tensor, classifier: Tensor, shift: int, compute, *, vocab: int | None = None
+) -> policy.Problem:
+    """``problem`` of tensors: hidden (..., T, D), its rows shortened by ``shift``; ``vocab``:
+    the classes to plan for where not the classifier's (a rank's shard: ``shard_vocab``)."""
     leading = hidden.shape[:-1]
     rows = (math.prod(leading) // max(leading[-1], 1)) * (leading[-1] - shift) if leading else 1
     dtypes = (hidden.dtype, classifier.dtype) if compute is not None else ()
+    classes = classifier.shape[0] if vocab is None else vocab
     return problem(
-        rows, tuple(classifier.shape), compute or hidden.dtype, dtypes, hidden.device.type
+        rows, (classes, classifier.shape[1]), compute or hidden.dtype, dtypes, hidden.device.type
     )
+
+
+def shard_vocab(vocab_size: int, ranks: int) -> int:
+    """The classes the policy plans each rank's shard of a split vocabulary for: ceil(V /
+    ranks), the largest shard of an even split (DTensor's ``Shard(0)``, torch.chunk), on every
+    rank. Not the rank's own shard: uneven shards differ by a class, and every rank must make
+    the same choices (the mode; fast mode's chunks, one collective each, from the budget)."""
+    return -(-vocab_size // max(ranks, 1))
 
 
 def budget_bytes(problem: policy.Problem) -> int:
