@@ -73,9 +73,10 @@ def fast_outputs_fake(args, hidden_dtype: torch.dtype | None = None) -> dict[str
     (``hidden_dtype``: the hidden buffer's, where it is not hidden's own)."""
     hidden, classifier, bias = args.hidden, args.classifier, args.bias
     filled = fast_filled(args)
+    hidden_filled = "grad_hidden" in filled  # (an empty placeholder is in hidden's dtype)
     return {
         FAST_BUFFERS["grad_hidden"]: like_if(
-            "grad_hidden" in filled, hidden, dtype=hidden_dtype or hidden.dtype
+            hidden_filled, hidden, dtype=hidden_dtype if hidden_filled else None
         ),
         FAST_BUFFERS["grad_classifier"]: like_if("grad_classifier" in filled, classifier),
         FAST_BUFFERS["grad_bias"]: like_if("grad_bias" in filled, bias, classifier),
