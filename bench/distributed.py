@@ -5,16 +5,20 @@
 
 1. Correctness on the Triton path: each case of ``tests/distributed/test_vocab_parallel.py``'s
    kind (uneven vocabulary, ignore_index, smoothing + class weights, z-loss, softcap + scale,
-   bias, 'sum', 'none' + shift, bf16) through ``vocab_parallel_cross_entropy``, and the
-   ColwiseParallel head through ``cce_compile.backend`` (the pass, then Inductor);
-   loss and gradients against a float64 oracle of the whole vocabulary (tests/oracle.py
-   tolerances).
+   bias, 'sum', 'none' + shift, bf16) through ``vocab_parallel_cross_entropy`` in lean and in
+   fast mode (fast: not 'none'; ``fast-chunks``: 4 chunks, one all-gather each), and the
+   ColwiseParallel head through ``cce_compile.backend`` (the pass, then Inductor) in each
+   mode; loss and gradients against a float64 oracle of the whole vocabulary
+   (tests/oracle.py tolerances).
 2. Cost at Llama-3-like sizes (N tokens x D x V, bf16, 10% ignored), forward+backward of the
    head and loss on each rank, median of CUDA-event timings:
    * ``loss_parallel``: ``ColwiseParallel(use_local_output=False)`` lm_head, cross_entropy
      under ``loss_parallel()``, compiled by Inductor (torchtitan's recipe);
-   * ``cce_pass``: the same compiled step, the head rewritten by the pass into the op;
-   * ``cce_op``: ``vocab_parallel_cross_entropy`` called directly on the local shard.
+   * ``cce_pass_lean`` / ``cce_pass_fast``: the same compiled step, the head rewritten by the
+     pass into the op, under CCE_MODE lean / fast;
+   * ``cce_op_lean`` / ``cce_op_fast``: ``vocab_parallel_cross_entropy`` called directly on the
+     local shard in that mode.
+   The op's own collectives per step (``collectives.ISSUED``) are recorded for each.
    Extra memory is the peak above the inputs during forward+backward, minus the gradients'
    own bytes (what the loss costs beyond its results).
 
@@ -60,6 +64,8 @@ CORRECTNESS = {  # name: build_case options (tests/strategies.py)
     "plain-bf16": dict(dtype=torch.bfloat16),
 }
 CORRECTNESS_SIZE = dict(leading=(4, 128), dim=512, vocab=32003)  # uneven over 2, 4, 8 ranks
+# Fast mode over several chunks (at most 1024 rows of 4096 each, at the default budget).
+CHUNKS_SIZE = dict(leading=(4, 1024), dim=512, vocab=32003)
 # --smoke: gloo on CPU at toy sizes, to check the script itself without GPUs.
 SMOKE_SHAPES = {"smoke": (64, 32, 1001)}
 DEVICE = "cuda"
@@ -81,14 +87,19 @@ def check_correctness(mesh) -> list[dict]:
     from oracle import GRAD_RTOL, LOSS_RTOL, gradient_scale, loss_scale, oracle, rel_error
     from strategies import build_case
 
-    from cce_compile.distributed import vocab_parallel_cross_entropy
+    from cce_compile.distributed import collectives, vocab_parallel_cross_entropy
 
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
-    for name, options in CORRECTNESS.items():
+    runs = [(name, options, "lean") for name, options in CORRECTNESS.items()]
+    runs += [(f"fast-{name}", options, "fast") for name, options in CORRECTNESS.items()
+             if options.get("reduction") != "none"]  # fmt: skip
+    runs.append(("fast-chunks-ignore_index-bf16", dict(CORRECTNESS["ignore_index"]), "fast"))
+    for name, options, mode in runs:
         options = dict(options)
-        dtype = options.pop("dtype", torch.float32)
-        case = build_case(**CORRECTNESS_SIZE, dtype=dtype, seed=5, **options)
+        dtype = options.pop("dtype", torch.bfloat16 if "bf16" in name else torch.float32)
+        size = CHUNKS_SIZE if "chunks" in name else CORRECTNESS_SIZE
+        case = build_case(**size, dtype=dtype, seed=5, **options)
         for field in ("hidden", "classifier", "targets", "bias", "class_weights"):
             value = getattr(case, field)
             if value is not None:
@@ -99,6 +110,7 @@ def check_correctness(mesh) -> list[dict]:
         bias = None if case.bias is None else case.bias[start : start + size].clone()
         if bias is not None:
             bias.requires_grad_()
+        collectives.ISSUED.clear()
         loss = vocab_parallel_cross_entropy(
             hidden,
             classifier,
@@ -107,8 +119,10 @@ def check_correctness(mesh) -> list[dict]:
             vocab_start=start,
             vocab_size=case.classifier.shape[0],
             group=mesh.get_group(),
+            mode=mode,
             **case.options(),
         )
+        gathers = collectives.ISSUED["all_gather"]
         # The same upstream gradient on every rank (SPMD), as a replicated loss has.
         seeded = torch.Generator(device=DEVICE).manual_seed(11)
         upstream = torch.randn(loss.shape, device=DEVICE, dtype=torch.float64, generator=seeded)
@@ -127,14 +141,14 @@ def check_correctness(mesh) -> list[dict]:
         ):
             errors[label] = (rel_error(got, full[part], scale), GRAD_RTOL[dtype])
         ok = all(err <= tol for err, tol in errors.values())
-        rows.append(dict(case=name, ok=ok, errors=errors))
-        log(f"  {name:28s} {'ok' if ok else 'FAIL'}  " + "  ".join(
+        rows.append(dict(case=name, ok=ok, errors=errors, all_gathers=gathers))
+        log(f"  {name:34s} {'ok' if ok else 'FAIL'} all_gathers={gathers} " + "  ".join(
             f"{k}={e:.1e}/{t:.0e}" for k, (e, t) in errors.items()))  # fmt: skip
     return rows
 
 
-def check_pass(mesh) -> dict:
-    """The ColwiseParallel head compiled with the pass's rewrite against compiled
+def check_pass(mesh) -> list[dict]:
+    """The ColwiseParallel head compiled with the pass's rewrite (lean, fast) against compiled
     loss_parallel on the same weights and inputs (bf16): loss and gradients."""
     from oracle import COMPILED_VS_EAGER_RTOL, rel_error
     from torch.distributed.tensor.parallel import loss_parallel
@@ -147,27 +161,40 @@ def check_pass(mesh) -> dict:
     from torch._dynamo.utils import counters
 
     results = {}
-    counters.clear()
-    for method in ("loss_parallel", "cce_pass"):
+    rows = []
+    for method in ("loss_parallel", "cce_pass_lean", "cce_pass_fast"):
+        counters.clear()
         torch._dynamo.reset()
         torch.manual_seed(0)
         step, head = head_step(mesh, vocab, dim, method)
         h = hidden.clone().requires_grad_()
-        with loss_parallel():
+        with loss_parallel(), _mode_of(method):
             loss = step(h, targets)
             loss.backward()
         results[method] = (loss.full_tensor(), h.grad, head.weight.grad.full_tensor())
-    tol = COMPILED_VS_EAGER_RTOL[torch.bfloat16]
-    errors = {
-        label: (rel_error(a, b), tol)
-        for label, a, b in zip(("loss", "grad_hidden", "grad_classifier"), *results.values())
-    }
-    rewritten = counters["cce_compile"]["rewritten"]  # the op ran, through the real backend
-    ok = rewritten >= 1 and all(err <= tol for err, tol in errors.values())
-    shown = "  ".join(f"{k}={e:.1e}/{t:.0e}" for k, (e, t) in errors.items())
-    verdict = "ok" if ok else "FAIL"
-    log(f"  {'pass-vs-loss_parallel-bf16':28s} {verdict} rewritten={rewritten} {shown}")
-    return dict(case="pass-vs-loss_parallel-bf16", ok=ok, errors=errors, rewritten=rewritten)
+        if method == "loss_parallel":
+            continue
+        tol = COMPILED_VS_EAGER_RTOL[torch.bfloat16]
+        labels = ("loss", "grad_hidden", "grad_classifier")
+        pairs = zip(labels, results[method], results["loss_parallel"])
+        errors = {label: (rel_error(a, b), tol) for label, a, b in pairs}
+        rewritten = counters["cce_compile"]["rewritten"]  # the op ran, through the backend
+        ok = rewritten >= 1 and all(err <= tol for err, tol in errors.values())
+        shown = "  ".join(f"{k}={e:.1e}/{t:.0e}" for k, (e, t) in errors.items())
+        case = f"{method.removeprefix('cce_')}-vs-loss_parallel-bf16"
+        log(f"  {case:34s} {'ok' if ok else 'FAIL'} rewritten={rewritten} {shown}")
+        rows.append(dict(case=case, ok=ok, errors=errors, rewritten=rewritten))
+    return rows
+
+
+def _mode_of(method: str):
+    """CCE_MODE for a method: its suffix (lean, fast), else the configured one."""
+    import cce_compile
+
+    mode = method.rsplit("_", 1)[-1]
+    if mode not in ("lean", "fast"):
+        return contextlib.nullcontext()
+    return cce_compile.config.override(mode=mode)
 
 
 def head_step(mesh, vocab, dim, method):
@@ -182,7 +209,7 @@ def head_step(mesh, vocab, dim, method):
 
     import cce_compile
 
-    backend = "inductor" if method == "loss_parallel" else cce_compile.backend
+    backend = "inductor" if method == "loss_parallel" else cce_compile.backend  # cce_pass_*
     return torch.compile(step, backend=backend, fullgraph=True), head
 
 
@@ -218,7 +245,7 @@ def bench_shape(name, mesh, reps, warmup, methods) -> list[dict]:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from cce_compile.distributed import vocab_parallel_cross_entropy
+    from cce_compile.distributed import collectives, vocab_parallel_cross_entropy
 
     n, dim, vocab = {**SHAPES, **SMOKE_SHAPES}[name]
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -230,16 +257,15 @@ def bench_shape(name, mesh, reps, warmup, methods) -> list[dict]:
     rows = []
     for method in methods:
         torch._dynamo.reset()
-        if method == "cce_op":
+        if method.startswith("cce_op"):
             start, size = shard_of(vocab, rank, world)
             weight = torch.randn(size, dim, device=DEVICE, dtype=torch.bfloat16) / dim**0.5
             weight.requires_grad_()
-            group = mesh.get_group()
+            shard = dict(vocab_start=start, vocab_size=vocab, group=mesh.get_group())
+            mode = method.removeprefix("cce_op_")
 
-            def run(weight=weight, start=start, group=group):
-                loss = vocab_parallel_cross_entropy(
-                    hidden, weight, targets, vocab_start=start, vocab_size=vocab, group=group
-                )
+            def run(weight=weight, shard=shard, mode=mode):
+                loss = vocab_parallel_cross_entropy(hidden, weight, targets, **shard, mode=mode)
                 loss.backward()
 
             grads = [hidden, weight]
@@ -255,7 +281,7 @@ def bench_shape(name, mesh, reps, warmup, methods) -> list[dict]:
 
             grads = [hidden, head.weight]
             context = loss_parallel
-        with context():
+        with context(), _mode_of(method):
             began = time.perf_counter()
             run()  # compiles
             compile_s = time.perf_counter() - began
@@ -264,7 +290,9 @@ def bench_shape(name, mesh, reps, warmup, methods) -> list[dict]:
             if DEVICE == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             base, _ = _memory()
+            collectives.ISSUED.clear()
             run()
+            issued = dict(collectives.ISSUED)
             peak = _memory()[1] - base
             grad_bytes = sum(
                 (t.grad._local_tensor if isinstance(t.grad, DTensor) else t.grad).nbytes
@@ -280,9 +308,10 @@ def bench_shape(name, mesh, reps, warmup, methods) -> list[dict]:
             ms=ms,
             extra_gib=max(peak - grad_bytes, 0) / GiB,
             compile_s=compile_s,
+            op_collectives=issued,
         )
         rows.append(row)
-        log(f"  {name} {method:14s} {ms:8.2f} ms  extra {row['extra_gib']:.3f} GiB")
+        log(f"  {name} {method:14s} {ms:8.2f} ms  extra {row['extra_gib']:.3f} GiB  {issued}")
         del run
     return rows
 
@@ -317,17 +346,18 @@ def markdown(env: dict, correctness: list[dict], timings: list[dict]) -> str:
         "## Forward+backward per rank, bf16 (relative to compiled loss_parallel)",
         "",
         "| shape (N x D x V) | method | time ms | time vs loss_parallel | extra GiB | "
-        "extra vs loss_parallel |",
-        "|---|---|---|---|---|---|",
+        "extra vs loss_parallel | the op's collectives |",
+        "|---|---|---|---|---|---|---|",
     ]
     base = {r["shape"]: r for r in timings if r["method"] == "loss_parallel"}
     for row in timings:
         ref = base.get(row["shape"])
         t_ratio = f"{row['ms'] / ref['ms']:.2f}x" if ref and ref["ms"] else "-"
         m_ratio = f"{row['extra_gib'] / ref['extra_gib']:.3f}x" if ref and ref["extra_gib"] else "-"
+        issued = ", ".join(f"{k} {v}" for k, v in sorted(row["op_collectives"].items())) or "-"
         lines.append(
             f"| {row['shape']} {row['n']} x {row['dim']} x {row['vocab']} | {row['method']} | "
-            f"{row['ms']:.2f} | {t_ratio} | {row['extra_gib']:.3f} | {m_ratio} |"
+            f"{row['ms']:.2f} | {t_ratio} | {row['extra_gib']:.3f} | {m_ratio} | {issued} |"
         )
     lines += ["", "Targets (issue 14): extra memory <= 1/8 of loss_parallel's at <= 1.0x its time."]
     return "\n".join(lines) + "\n"
@@ -337,7 +367,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--shapes", default="llama3-8b,llama3-8b-16k")
-    parser.add_argument("--methods", default="loss_parallel,cce_pass,cce_op")
+    parser.add_argument(
+        "--methods", default="loss_parallel,cce_pass_lean,cce_pass_fast,cce_op_lean,cce_op_fast"
+    )
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--skip-correctness", action="store_true")
@@ -350,6 +382,7 @@ def main(argv=None) -> None:
     if args.smoke:
         DEVICE, args.shapes = "cpu", "smoke"
         CORRECTNESS_SIZE.update(leading=(2, 8), dim=16, vocab=97)
+        CHUNKS_SIZE.update(leading=(4, 24), dim=16, vocab=97)
         dist.init_process_group("gloo")
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -360,7 +393,7 @@ def main(argv=None) -> None:
     correctness = []
     if not args.skip_correctness:
         log("correctness (Triton path):")
-        correctness = check_correctness(mesh) + [check_pass(mesh)]
+        correctness = check_correctness(mesh) + check_pass(mesh)
     timings = []
     for shape in args.shapes.split(","):
         timings += bench_shape(shape, mesh, args.reps, args.warmup, args.methods.split(","))

@@ -39,7 +39,7 @@ POINTER_TYPES = {  # parameter name -> element type; the rest are i32 ints or fp
     "logits": "bf16",
     "p_base": "fp32",
     "p_per_lse": "fp32",
-    "lse_out": "fp32",
+    "lse_row": "fp32",
     "target_out": "fp32",
     "wsum_out": "fp32",
     "out": "fp32",

@@ -310,14 +310,25 @@ def filters(grad_filter: float | None, mode: str, needs_any: bool) -> bool:
 # --- problem, budget and mode ----------------------------------------------------------------
 
 
-def problem_of(hidden: Tensor, classifier: Tensor, shift: int, compute) -> policy.Problem:
+def problem_of(
+    hidden: Tensor, classifier: Tensor, shift: int, compute, *, vocab: int | None = None
+) -> policy.Problem:
     """``policy.problem`` of a call's tensors: hidden (..., T, D), its rows shortened by
-    ``shift``, rounded to ``compute`` (None: hidden's dtype, which every input has)."""
+    ``shift``, rounded to ``compute`` (None: hidden's dtype, which every input has); ``vocab``:
+    the classes to plan for where not the classifier's (a rank's shard: ``shard_vocab``)."""
     leading = hidden.shape[:-1]
     rows = (math.prod(leading) // max(leading[-1], 1)) * (leading[-1] - shift) if leading else 1
     rounds = compute is not None and any(d != compute for d in (hidden.dtype, classifier.dtype))
-    shape = tuple(classifier.shape)
+    shape = (classifier.shape[0] if vocab is None else vocab, classifier.shape[1])
     return policy.problem(rows, shape, compute or hidden.dtype, rounds, hidden.device.type)
+
+
+def shard_vocab(vocab_size: int, ranks: int) -> int:
+    """The classes the policy plans each rank's shard of a split vocabulary for: ceil(V /
+    ranks), the largest shard of an even split (DTensor's ``Shard(0)``, torch.chunk), on every
+    rank. Not the rank's own shard: uneven shards differ by a class, and every rank must make
+    the same choices (the mode; fast mode's chunks, one collective each, from the budget)."""
+    return -(-vocab_size // max(ranks, 1))
 
 
 def budget_bytes(problem: policy.Problem) -> int:

@@ -53,14 +53,15 @@ def vocab_parallel_cross_entropy(
     shift: int = 0,
     z_loss: float = 0.0,
     return_lse: bool = False,
+    mode: str | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Cross-entropy of ``hidden @ W.T (+ b)`` with the classifier ``W`` split by vocabulary
     over a process group, no logits stored: ``cce_compile.linear_cross_entropy``'s loss and
     gradients over the whole vocabulary, from each rank's shard.
 
     Every rank calls it with the same ``hidden``, ``targets`` and options (SPMD). Forward: one
-    all-gather of each rank's packed per-row statistics; backward: hidden's gradient is
-    reduced once over the group (``distributed.vocab_parallel``).
+    all-gather of each rank's packed per-row statistics (in fast mode one per chunk of rows);
+    backward: hidden's gradient is reduced once over the group (``distributed.vocab_parallel``).
 
     Args:
         hidden: (..., D), the same on every rank; or a DTensor on the classifier's mesh (any
@@ -75,6 +76,9 @@ def vocab_parallel_cross_entropy(
             for plain tensors; derived from a DTensor classifier (then leave them out).
         class_weights: optional (V,) weights of the whole vocabulary.
         ignore_index ... return_lse: as in ``cce_compile.linear_cross_entropy``.
+        mode: 'lean', 'fast' or 'auto' (None: the configured mode, CCE_MODE), chosen by
+            ``decide.mode`` for the share of the vocabulary every rank plans for
+            (``decide.shard_vocab``), so every rank chooses alike.
 
     Returns:
         The loss (float32; a replicated DTensor when the classifier is a DTensor), and with
@@ -86,35 +90,66 @@ def vocab_parallel_cross_entropy(
     )
     targets, class_weights = _local(targets, "targets"), _local(class_weights, "class_weights")
     decide.check_tensors(hidden, classifier, targets, bias, class_weights, shard)
+    decide.check_mode(mode)
     options = (ignore_index, reduction, label_smoothing, softcap, logit_scale, shift, z_loss)
     spec = decide.loss_spec(hidden, *options)
     spec = decide.with_scalars(spec, logit_scale, softcap)
     hidden, targets, rows_shape = decide.canonical_form(hidden, targets, spec.shift)
-    output = torch.ops.cce.vocab_parallel_cross_entropy(
-        *FORWARD.build(
-            hidden=hidden,
-            classifier=classifier,
-            targets=targets,
-            bias=bias,
-            class_weights=class_weights,
-            compute_dtype=decide.compute_dtype(hidden, classifier, bias),
-            spec=spec,
-            vocab_start=shard.start,
-            vocab_size=shard.size,
-            group_name=shard.group_name,
-            # A DTensor hidden takes its gradient back as Partial: DTensor reduces it once.
-            reduce_hidden_grad=not isinstance(given_hidden, DTensor),
-            lse_all_rows=return_lse,
-            implementation_version=_ops.IMPLEMENTATION_VERSION,
-            skip_ignored=decide.compacts_ignored_rows(),
-        )
-    )
+    tensors = (hidden, classifier, targets, bias, class_weights)
+    # A DTensor hidden takes its gradient back as Partial: DTensor reduces it once.
+    reduce_hidden_grad = not isinstance(given_hidden, DTensor)
+    output = _call_op(tensors, spec, shard, mode, (return_lse, reduce_hidden_grad))
     out = FORWARD_RETURNS.unpack(output)
     loss = out.loss.reshape(rows_shape) if reduction == "none" else out.loss
     returned = (loss, out.lse.reshape(rows_shape)) if return_lse else (loss,)
     if mesh is not None:  # the loss as loss_parallel gives it: a replicated DTensor
         returned = [DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in returned]
     return tuple(returned) if return_lse else returned[0]
+
+
+def _call_op(tensors, spec, shard: sharding.VocabShard, mode: str | None, flags) -> tuple:
+    """``torch.ops.cce.vocab_parallel_cross_entropy`` in the mode ``decide`` chooses for the
+    share of the vocabulary every rank plans for; ``flags``: (return_lse,
+    reduce_hidden_grad)."""
+    hidden, classifier, targets, bias, class_weights = tensors
+    return_lse, reduce_hidden_grad = flags
+    compute_dtype = decide.compute_dtype(hidden, classifier, bias)
+    grad_on = torch.is_grad_enabled()
+    needs = dict(
+        grad_hidden=grad_on and hidden.requires_grad,
+        grad_classifier=grad_on and classifier.requires_grad,
+        grad_bias=grad_on and bias is not None and bias.requires_grad,
+    )
+    share = decide.shard_vocab(shard.size, sharding.group_size(shard.group_name))
+    chosen = decide.mode(
+        mode,
+        decide.problem_of(hidden, classifier, spec.shift, compute_dtype, vocab=share),
+        grad_filter=None,
+        reduction=spec.reduction,
+        needs_grad=any(needs.values()),
+        needs_classifier=needs["grad_classifier"],
+        lse_has_grad=return_lse and grad_on,
+    )
+    return torch.ops.cce.vocab_parallel_cross_entropy(
+        *FORWARD.build(
+            hidden=hidden,
+            classifier=classifier,
+            targets=targets,
+            bias=bias,
+            class_weights=class_weights,
+            compute_dtype=compute_dtype,
+            spec=spec,
+            vocab_start=shard.start,
+            vocab_size=shard.size,
+            group_name=shard.group_name,
+            reduce_hidden_grad=reduce_hidden_grad,
+            lse_all_rows=return_lse,
+            mode=chosen,
+            **needs,
+            implementation_version=_ops.IMPLEMENTATION_VERSION,
+            skip_ignored=decide.compacts_ignored_rows(),
+        )
+    )
 
 
 def _replicated_hidden(hidden: Tensor, mesh) -> Tensor:

@@ -11,6 +11,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -45,6 +46,13 @@ def group_name(group: dist.ProcessGroup | DeviceMesh | str | None) -> str:
             f"got {type(group).__name__}"
         )
     return group.group_name
+
+
+@torch.compiler.assume_constant_result
+def group_size(name: str) -> int:
+    """The number of ranks in the named group. A constant of a compiled graph: Dynamo calls
+    this at trace time rather than tracing the group's lookup."""
+    return _resolve_process_group(name).size()
 
 
 def vocab_shard(weight: torch.Tensor) -> VocabShard | str:

@@ -9,7 +9,7 @@ formula (``distributed.ops``) reads the arguments back by name. The loss options
 from __future__ import annotations
 
 from ..op import signature as single_device
-from ..op.signature import GRAD_FLAGS, LOSS_OPTIONS, Argument, Returns, Signature
+from ..op.signature import FAST_BUFFERS, GRAD_FLAGS, LOSS_OPTIONS, Argument, Returns, Signature
 
 # The loss options as the single-device op declares them (LossSpec's fields).
 _OPTIONS = [a for a in single_device.FORWARD.arguments if a.name in LOSS_OPTIONS]
@@ -38,14 +38,19 @@ FORWARD = Signature(
         *_OPTIONS,
         *_SHARD,
         Argument("lse_all_rows", "bool"),  # the returned lse is valid at ignored rows too
+        # "lean" or "fast" (vocab_parallel's module docstring); every rank must pass the same.
+        Argument("mode", "str"),
+        *_GRAD_FLAGS,  # the gradients fast mode computes in the forward
         Argument("implementation_version", "int"),  # distributed.ops.IMPLEMENTATION_VERSION
         # Compact away rows whose target is ignore_index first (compaction.py); every rank
         # holds the same targets, so every rank keeps the same rows.
         Argument("skip_ignored", "bool", default=False),
     ]
 )
-# lse: over the whole vocabulary, (B, T - shift); row_index: the rows computed on (compaction.py)
-FORWARD_RETURNS = Returns("loss", "lse", "row_index")
+# lse: over the whole vocabulary, (B, T - shift); fast_*: fast mode's gradients for a unit
+# upstream gradient (hidden's: this rank's partial sum, float32 where the op reduces it, else in
+# hidden's dtype), empty where not computed; row_index: the rows computed on (compaction.py)
+FORWARD_RETURNS = Returns("loss", "lse", *FAST_BUFFERS.values(), "row_index")
 
 BACKWARD = Signature(
     [
@@ -58,5 +63,8 @@ BACKWARD = Signature(
         *_SHARD,
         Argument("lse_all_rows", "bool"),
         *_GRAD_FLAGS,
+        # Fast mode's hidden buffer (FORWARD_RETURNS): hidden's gradient is then this buffer
+        # scaled by grad_loss (and reduced over the group), not recomputed.
+        Argument("fast_grad_hidden", "Tensor?", default=None),
     ]
 )

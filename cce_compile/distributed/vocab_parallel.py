@@ -26,28 +26,56 @@ weights, identically on every rank. Nothing that every rank can compute travels:
 and class weights are replicated, so the rows kept by compaction, the row weights and the
 'mean' divisors are computed locally.
 
-The backward recomputes each rank's logits (lean mode) and turns them into gradients with the
+Lean mode's backward recomputes each rank's logits and turns them into gradients with the
 global lse and the per-row coefficients of ``loss_math.row_coefficients``, which are the same on
 every rank: the classifier's and bias's gradients are exactly this rank's rows and stay local;
 hidden's is a sum over the classes, so each rank holds a partial sum that must be reduced
 exactly once over the group (here, or by the caller's DTensor placement).
 
-Why no fast mode: fast computes the gradient from the same logits as the statistics, in one
-pass. Here the gradient needs the global lse, which exists only after the all-gather, so the
-logits would be computed twice in the forward anyway (as lean does in the backward) and fast
-would only add its V_local x D float32 accumulator.
+Fast mode (three GEMMs, no recomputation) keeps each chunk's logits until its gradient is
+written, and the gradient needs the global lse, so the combine moves inside the chunk loop
+(``SplitVocabulary``; both implementations). Per chunk of n rows, on every rank:
+
+1. z = the shard's logits (n x V_local, float32): GEMM 1;
+2. the shard's lse, target logit and wsum of z (one read of the chunk);
+3. ONE all-gather of those packed rows, combined as above: the chunk's global statistics;
+4. dz = coef_p * exp(z - lse) - coef_t * onehot - coef_w * w with the global lse and the unit
+   upstream gradient's coefficients of the whole vocabulary, written over z;
+5. hidden's partial gradient of the chunk (GEMM 2) and the shard's classifier gradient
+   (GEMM 3, accumulated into the gradient itself), as on one device.
+
+So a fast forward issues one all-gather per chunk (ceil(N / n) of them, the same count on
+every rank: the chunk size comes from ``decide.shard_vocab``'s share of the vocabulary and the
+budget of that share, never from the rank's own uneven shard), and the loss's statistics
+travel exactly as in lean mode, split by rows. The backward only scales the saved gradients by
+the upstream gradient; hidden's is all-reduced once, in float32 before its one rounding, over
+the rows the forward kept (as in lean mode), unless the caller reduces it
+(``reduce_hidden_grad``). Memory per rank: a chunk's n x V_local float32 logits, the shard's
+classifier gradient (an output) and hidden's partial gradient, N x D, held from the forward to
+the backward: float32 where the op reduces it (the all-reduce's operand), else in hidden's
+dtype. Lean is taken where fast cannot serve a call alike on every rank or at all: 'none',
+a gradient of the returned lse, no gradient wanted (``decide.mode``).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import decide
-from ..implementations.interface import ForwardOut, Gradients, HeadInputs, Needs, RowStats
-from ..loss_math import LossSpec, finish_loss, returned_lse, row_targets
-from ..op import call_plan, dispatch
+from ..implementations.interface import (
+    ForwardOut,
+    Gradients,
+    HeadInputs,
+    Needs,
+    RowStats,
+    SplitVocabulary,
+)
+from ..loss_math import LossSpec, RowTargets, finish_loss, returned_lse, row_targets
+from ..op import call_plan, compaction, dispatch
 from ..op.signature import Bound
-from . import collectives
+from . import collectives, sharding
 
 
 def _shard(args: Bound, budget: int) -> HeadInputs:
@@ -88,26 +116,94 @@ def _combine(local: RowStats, group_name: str) -> RowStats:
 
 def forward(args: Bound) -> ForwardOut:
     """Loss (float32, a scalar or (N,) for 'none') and lse ((N,), 0 at ignored rows unless
-    ``lse_all_rows``), the same on every rank; with ``skip_ignored`` on the rows whose target
-    counts, which every rank selects alike (the same targets), so the collectives agree."""
+    ``lse_all_rows``), the same on every rank; in fast mode also the gradients for a unit
+    upstream gradient (hidden's this rank's partial sum, in ``hidden_buffer_dtype``); with
+    ``skip_ignored`` on the rows whose target counts, which every rank selects alike (the same
+    targets), so the collectives agree."""
     decide.check_targets(args.targets, args.class_weights, args.spec(), args.vocab_size)
-    return dispatch.on_kept_rows(args, _forward_rows)
+    out = dispatch.on_kept_rows(args, _forward_rows, _budget(args))
+    if out.grad_hidden is not None:
+        out.grad_hidden = out.grad_hidden.to(hidden_buffer_dtype(args))
+    return out
+
+
+def hidden_buffer_dtype(args: Bound) -> torch.dtype:
+    """Fast mode's hidden gradient between forward and backward: float32 where the op reduces
+    it (rounded once, after the sum over ranks), else the partial sum the caller reduces, in
+    hidden's dtype (as lean mode returns it)."""
+    return torch.float32 if args.reduce_hidden_grad else args.hidden.dtype
+
+
+def _budget(args: Bound) -> int:
+    """The call's memory budget, the same on every rank: that of the share of the vocabulary
+    ``decide.shard_vocab`` plans every rank for (fast mode's chunks follow from it)."""
+    share = decide.shard_vocab(args.vocab_size, sharding.group_size(args.group_name))
+    compute = call_plan.compute_dtype_of(args)
+    problem = decide.problem_of(args.hidden, args.classifier, args.shift, compute, vocab=share)
+    return decide.budget_bytes(problem)
 
 
 def _forward_rows(args: Bound, budget: int) -> ForwardOut:
     spec = args.spec()
     vocab = args.vocab_size
-    stats = _combine(_local_stats(args, spec, budget), args.group_name)
     rows = row_targets(args.targets, args.class_weights, spec, vocab)
-    loss = finish_loss(stats.lse, stats.target_logit, stats.wsum, rows, spec, vocab)
-    return ForwardOut(loss, returned_lse(stats.lse, rows, args.lse_all_rows))
+    needs = call_plan.needs_of(args)
+    if args.mode == "fast" and needs.any:
+        out = _fast_forward_rows(args, budget, rows, needs)
+        lse = out.lse
+    else:
+        stats = _combine(_local_stats(args, spec, budget), args.group_name)
+        lse = stats.lse
+        out = ForwardOut(finish_loss(lse, stats.target_logit, stats.wsum, rows, spec, vocab), lse)
+    out.lse = returned_lse(lse, rows, args.lse_all_rows)
+    return out
+
+
+def _fast_forward_rows(args: Bound, budget: int, rows: RowTargets, needs: Needs) -> ForwardOut:
+    """Fast mode on this rank's shard (module docstring): one all-gather per chunk."""
+    ranks = sharding.group_size(args.group_name)
+    split = SplitVocabulary(
+        args.vocab_size,
+        decide.shard_vocab(args.vocab_size, ranks),
+        functools.partial(_combine, group_name=args.group_name),
+    )
+    impl = call_plan.implementation_for(args.hidden.device)
+    with call_plan.float32_math(args.hidden.device):
+        return impl.fast_forward(_shard(args, budget), rows, needs=needs, split=split)
 
 
 def backward(args: Bound) -> Gradients:
     """Gradients for (hidden, classifier, bias) in their dtypes, None where not needed, on the
     rows the forward computed on. hidden's is all-reduced here (``reduce_hidden_grad``) or
-    left this rank's partial sum."""
+    left this rank's partial sum. With fast mode's ``fast_grad_hidden``, hidden's gradient
+    alone, from that buffer (``_fast_hidden_gradient``)."""
+    if args.fast_grad_hidden is not None:
+        return _fast_hidden_gradient(args), None, None
     return dispatch.recompute(args, call_plan.needs_of(args), _gradients_rows)
+
+
+def _fast_hidden_gradient(args: Bound) -> torch.Tensor:
+    """Fast mode's hidden buffer times the upstream gradient (float32 math; the buffer is a
+    saved tensor and stays as it is), all-reduced over the rows the forward kept as lean mode
+    reduces them (``reduce_hidden_grad``), rounded once to hidden's dtype."""
+    grad = args.fast_grad_hidden.float() * args.grad_loss.float()
+    if args.reduce_hidden_grad:
+        selection = compaction.of_backward(args)
+        if selection is None or not selection.compacted:
+            grad = _all_reduce_rows(grad, args.group_name)
+        else:
+            kept = compaction.gather_hidden(grad, args.shift, selection)
+            kept = _all_reduce_rows(kept, args.group_name)
+            grad = compaction.expand_hidden(kept, selection, args.hidden, args.shift)
+    return grad.to(args.hidden.dtype)
+
+
+def _all_reduce_rows(grad: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Hidden's partial gradients summed over the group, in place; no rows (alike on every
+    rank): every rank's gradient is zero, nothing to reduce."""
+    if not grad.numel():
+        return grad
+    return collectives.all_reduce_(grad.contiguous(), "sum", group_name)
 
 
 def _gradients_rows(args: Bound, needs: Needs, budget: int) -> Gradients:
@@ -125,8 +221,7 @@ def _gradients_rows(args: Bound, needs: Needs, budget: int) -> Gradients:
         impl = call_plan.implementation_for(hidden.device)
         grads = dispatch.lean_gradients(args, impl, _shard(args, budget), needs, lse, coefs)
     grad_hidden, grad_classifier, grad_bias = grads
-    # No rows kept (alike on every rank): every rank's gradient is zero, nothing to reduce.
-    if grad_hidden is not None and args.reduce_hidden_grad and grad_hidden.numel():
+    if grad_hidden is not None and args.reduce_hidden_grad:
         # In float32, before the one rounding to hidden's dtype; in place: the buffer is ours.
-        grad_hidden = collectives.all_reduce_(grad_hidden.contiguous(), "sum", args.group_name)
+        grad_hidden = _all_reduce_rows(grad_hidden, args.group_name)
     return dispatch.in_input_dtypes((grad_hidden, grad_classifier, grad_bias), args)

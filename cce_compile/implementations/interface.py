@@ -9,6 +9,7 @@ provides the functions of :class:`Implementation`. Shapes follow the op's canoni
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -94,6 +95,21 @@ class HeadInputs:
         return self.classifier.shape[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitVocabulary:
+    """Fast mode over one rank's shard of a vocabulary split over a process group (the
+    vocabulary-parallel op): the head's classes are [col_start, col_start + V_local) of
+    ``size``. Each chunk's statistics over the shard become the whole vocabulary's through
+    ``combine``, a collective every rank issues once per chunk, so every rank must run the
+    same chunks: they are sized for ``share`` classes, the same number on every rank, never
+    for the shard's own (uneven shards differ by a class)."""
+
+    size: int  # V, the whole vocabulary: the loss's and the coefficients' class count
+    share: int  # the classes each rank's chunks are sized for (decide.shard_vocab)
+    # A chunk's (lse, target logit, wsum) over the shard -> over the whole vocabulary.
+    combine: Callable[[RowStats], RowStats]
+
+
 class Implementation(Protocol):
     """What an implementation provides: the lean path's two halves (``op.dispatch`` builds the
     loss and the backward from them with ``loss_math``), fast mode's fused forward, and one
@@ -137,11 +153,18 @@ class Implementation(Protocol):
         needs: Needs,
         entropy: bool = False,
         argmax: bool = False,
+        split: SplitVocabulary | None = None,
     ) -> ForwardOut:
         """Fast mode, over the whole vocabulary (``col_start`` 0): loss, lse and the gradients
         in ``needs`` for a unit upstream gradient of the loss, each in its input's dtype (the
         op hands them to autograd as they are), from the same chunks of logits (and each
-        row's entropy and argmax where asked, every row's: the caller masks ignored ones)."""
+        row's entropy and argmax where asked, every row's: the caller masks ignored ones).
+
+        With ``split``, over one shard of a split vocabulary (``rows`` are the whole
+        vocabulary's): per chunk, the shard's statistics, ``split.combine`` (one collective),
+        then the gradient with the whole vocabulary's lse. Loss and lse are the whole
+        vocabulary's; hidden's gradient is this shard's partial sum, in float32 (it is reduced
+        over the ranks before its one rounding); no entropy or argmax."""
 
     def scale_(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """x *= scale in place with float32 math and one rounding; ``scale`` is a 0-d

@@ -34,7 +34,15 @@ import torch
 from .. import filtering
 from ..loss_math import LossSpec, RowTargets, finish_loss, row_coefficients
 from ..policy import cpu_chunk_rows
-from .interface import Coefficients, ForwardOut, Gradients, HeadInputs, Needs, RowStats
+from .interface import (
+    Coefficients,
+    ForwardOut,
+    Gradients,
+    HeadInputs,
+    Needs,
+    RowStats,
+    SplitVocabulary,
+)
 
 # The most rows per lean tile. Tiles of fewer rows re-read each slab of the classifier more
 # often: at the CPU demo's shape 256-row tiles took 1.3x as long as 1024-row ones.
@@ -422,6 +430,96 @@ def logit_stats(
     return RowStats(lse, target_logit, wsum, blocks, extras.mean_z, extras.argmax)
 
 
+class _FastChunks:
+    """Fast mode's run over chunks of whole rows: the float32 operands, each row's statistics,
+    the gradients' accumulators and one chunk's buffers. A chunk's gradient comes from its
+    logits in one of two ways: over the whole vocabulary (``whole``), or over a shard of a
+    split one (``shard``)."""
+
+    def __init__(self, head: HeadInputs, needs: Needs, metrics: tuple, chunk_classes: int):
+        """``metrics``: (entropy, argmax) wanted; ``chunk_classes``: the classes a chunk is
+        sized for."""
+        self.head = head
+        self.operands, self.columns = Float32Operands.of(head), _ClassTargets.of(head)
+        device, self.n_rows = head.hidden.device, self.operands.rows.count
+        self.lse = torch.empty(self.n_rows, dtype=torch.float32, device=device)
+        self.target_logit = torch.empty_like(self.lse)
+        self.wsum = torch.empty_like(self.lse) if head.spec.needs_wsum else None
+        self.acc = _Accumulators(head, needs, self.operands.rows)
+        self.extras = _Extras(self.n_rows, device, *metrics)
+        self.unit = torch.ones((), device=device)
+        self.chunk = cpu_chunk_rows(chunk_classes, head.budget_bytes)
+        self.buffer = torch.empty(min(self.n_rows, self.chunk) * head.vocab, device=device)
+        softcap = head.spec.softcap is not None
+        self.tanh_buffer = torch.empty_like(self.buffer) if softcap else None
+
+    def logits(self, r0: int, r1: int) -> torch.Tensor:
+        return self.operands.tile_logits(
+            self.buffer, (r0, r1), (0, self.head.vocab), self.head.spec
+        )
+
+    def whole(self, z: torch.Tensor, r0: int, r1: int, rows: RowTargets) -> torch.Tensor:
+        """The chunk's statistics and gradient over the whole vocabulary, the gradient written
+        over its logits ``z``."""
+        spec, vocab, w32 = self.head.spec, self.head.vocab, self.operands.class_weights
+        chunk_columns = self.columns.slice(r0, r1)
+        self.target_logit[r0:r1] = torch.where(
+            chunk_columns.hit, z.gather(1, chunk_columns.index[:, None])[:, 0], 0.0
+        )
+        if self.wsum is not None:
+            self.wsum[r0:r1] = z @ w32 if w32 is not None else z.sum(-1)
+        self.extras.add(z, (r0, r1), 0)
+        tanh_grad = _tanh_grad(z, spec, _tanh_out(self.tanh_buffer, z))
+        # One exponential per logit for both the lse and the gradient: exp(z - top) / total.
+        top = _row_max(z)
+        unnormalised = _exp_(z.sub_(top[:, None]))
+        total = unnormalised.sum(dim=-1)
+        self.lse[r0:r1] = total.log().add_(top)
+        grad_loss = self.unit.expand(r1 - r0) if spec.reduction == "none" else self.unit
+        coefs = row_coefficients(grad_loss, None, self.lse[r0:r1], rows.slice(r0, r1), spec, vocab)
+        grad = unnormalised.mul_((coefs[0] / total)[:, None])
+        return _finish_grad_(grad, tanh_grad, coefs, chunk_columns, w32, spec, None)
+
+    def shard(
+        self, z: torch.Tensor, r0: int, r1: int, rows: RowTargets, split: SplitVocabulary
+    ) -> torch.Tensor:
+        """The chunk's statistics over the shard, combined over the ranks (``split``), and its
+        gradient with the whole vocabulary's lse, written over its logits ``z``."""
+        spec, w32 = self.head.spec, self.operands.class_weights
+        chunk_columns = self.columns.slice(r0, r1)
+        whole = split.combine(_shard_stats(z, chunk_columns, w32, spec.needs_wsum))
+        self.lse[r0:r1], self.target_logit[r0:r1] = whole.lse, whole.target_logit
+        if self.wsum is not None:
+            self.wsum[r0:r1] = whole.wsum
+        if z.shape[1] == 0:  # an empty shard: no gradient, but the collective above
+            return z
+        grad_loss = self.unit.expand(r1 - r0) if spec.reduction == "none" else self.unit
+        coefs = row_coefficients(grad_loss, None, whole.lse, rows.slice(r0, r1), spec, split.size)
+        shift = _lse_shift(whole.lse, coefs)
+        tanh_out = _tanh_out(self.tanh_buffer, z)
+        return _grad_from_logits(z, shift, coefs, chunk_columns, w32, spec, None, tanh_out)
+
+    def add(self, grad: torch.Tensor, r0: int, r1: int) -> None:
+        operands = self.operands
+        rows, cols = (r0, r1), (0, self.head.vocab)
+        self.acc.add(grad, rows, cols, operands.hidden[r0:r1], operands.classifier)
+
+
+def _shard_stats(
+    z: torch.Tensor, columns: _ClassTargets, w32: torch.Tensor | None, smoothing: bool
+) -> RowStats:
+    """lse, target logit (exactly 0 where the target is another shard's) and, with smoothing,
+    wsum of a chunk's logits ``z`` over a shard's classes, leaving ``z`` intact."""
+    if z.shape[1] == 0:  # fewer classes than ranks
+        zeros = z.new_zeros(z.shape[0])
+        return RowStats(zeros - math.inf, zeros, zeros if smoothing else None)
+    target_logit = torch.where(columns.hit, z.gather(1, columns.index[:, None])[:, 0], 0.0)
+    wsum = None
+    if smoothing:
+        wsum = z @ w32 if w32 is not None else z.sum(-1)
+    return RowStats(torch.logsumexp(z, dim=-1), target_logit, wsum)
+
+
 def fast_forward(
     head: HeadInputs,
     rows: RowTargets,
@@ -429,51 +527,34 @@ def fast_forward(
     needs: Needs,
     entropy: bool = False,
     argmax: bool = False,
+    split: SplitVocabulary | None = None,
 ) -> ForwardOut:
     """Fast mode: loss, lse and the gradients for a unit upstream gradient from the same
-    chunks of logits (three GEMMs), and each row's entropy and argmax where asked."""
-    operands, columns = Float32Operands.of(head), _ClassTargets.of(head)
-    spec, vocab, device = head.spec, head.vocab, head.hidden.device
-    w32, n_rows = operands.class_weights, operands.rows.count
-    lse = torch.empty(n_rows, dtype=torch.float32, device=device)
-    target_logit = torch.empty_like(lse)
-    wsum = torch.empty_like(lse) if spec.needs_wsum else None
-    acc = _Accumulators(head, needs, operands.rows)
-    extras = _Extras(n_rows, device, entropy, argmax)
-    unit = torch.ones((), device=device)
-    chunk = cpu_chunk_rows(vocab, head.budget_bytes)
-    buffer = torch.empty(min(n_rows, chunk) * vocab, device=device)
-    tanh_buffer = torch.empty_like(buffer) if spec.softcap is not None else None
-    for r0, r1 in _ranges(n_rows, chunk):
-        z = operands.tile_logits(buffer, (r0, r1), (0, vocab), spec)
-        chunk_columns = columns.slice(r0, r1)
-        target_logit[r0:r1] = torch.where(
-            chunk_columns.hit, z.gather(1, chunk_columns.index[:, None])[:, 0], 0.0
-        )
-        if wsum is not None:
-            wsum[r0:r1] = z @ w32 if w32 is not None else z.sum(-1)
-        extras.add(z, (r0, r1), 0)
-        tanh_grad = _tanh_grad(z, spec, _tanh_out(tanh_buffer, z))
-        # One exponential per logit for both the lse and the gradient: exp(z - top) / total.
-        top = _row_max(z)
-        unnormalised = _exp_(z.sub_(top[:, None]))
-        total = unnormalised.sum(dim=-1)
-        lse[r0:r1] = total.log().add_(top)
-        grad_loss = unit.expand(r1 - r0) if spec.reduction == "none" else unit
-        coefs = row_coefficients(grad_loss, None, lse[r0:r1], rows.slice(r0, r1), spec, vocab)
-        grad = unnormalised.mul_((coefs[0] / total)[:, None])
-        grad = _finish_grad_(grad, tanh_grad, coefs, chunk_columns, w32, spec, None)
-        acc.add(grad, (r0, r1), (0, vocab), operands.hidden[r0:r1], operands.classifier)
-    out = ForwardOut(finish_loss(lse, target_logit, wsum, rows, spec, vocab), lse)
-    grads = acc.result()
+    chunks of logits (three GEMMs), and each row's entropy and argmax where asked; with
+    ``split``, over a shard of a split vocabulary (``interface.Implementation``)."""
+    if split is not None and (entropy or argmax):
+        raise ValueError("fast mode over a split vocabulary computes no entropy or argmax")
+    run = _FastChunks(head, needs, (entropy, argmax), head.vocab if split is None else split.share)
+    for r0, r1 in _ranges(run.n_rows, run.chunk):
+        z = run.logits(r0, r1)
+        if split is None:
+            grad = run.whole(z, r0, r1, rows)
+        else:
+            grad = run.shard(z, r0, r1, rows, split)
+        run.add(grad, r0, r1)
+    vocab = head.vocab if split is None else split.size
+    lse = run.lse
+    out = ForwardOut(finish_loss(lse, run.target_logit, run.wsum, rows, head.spec, vocab), lse)
     # In the inputs' dtypes: the op hands them to autograd as they are (float32 accumulation
-    # here; a bf16 classifier's gradient is rounded once).
-    likes = (head.hidden, head.classifier, head.bias)
+    # here; a bf16 classifier's gradient is rounded once). A shard's hidden gradient stays a
+    # float32 partial sum.
+    likes = (head.hidden if split is None else None, head.classifier, head.bias)
     out.grad_hidden, out.grad_classifier, out.grad_bias = (
-        None if g is None else g.to(like.dtype) for g, like in zip(grads, likes)
+        None if g is None else g if like is None else g.to(like.dtype)
+        for g, like in zip(run.acc.result(), likes)
     )
-    out.entropy = None if extras.mean_z is None else lse - extras.mean_z
-    out.argmax = extras.argmax
+    out.entropy = None if run.extras.mean_z is None else lse - run.extras.mean_z
+    out.argmax = run.extras.argmax
     return out
 
 

@@ -31,13 +31,21 @@ import math
 import torch
 
 from .. import filtering, policy
-from ..kernels.chunk_softmax_grad import chunk_softmax_grad
+from ..kernels.chunk_softmax_grad import chunk_row_stats, chunk_softmax_grad
 from ..kernels.common import RowLayout, TileConfig, check_operands, row_layout
 from ..kernels.logit_grad import logit_grad
 from ..kernels.lse_forward import lse_forward, partial_blocks
 from ..kernels.scale_cast import scale_cast
 from ..loss_math import RowTargets, finish_loss, row_coefficient_parts
-from .interface import Coefficients, ForwardOut, Gradients, HeadInputs, Needs, RowStats
+from .interface import (
+    Coefficients,
+    ForwardOut,
+    Gradients,
+    HeadInputs,
+    Needs,
+    RowStats,
+    SplitVocabulary,
+)
 
 # Widest hidden size that takes the small-tile configuration (see _tile_config).
 SMALL_TILE_MAX_DIM = 2048
@@ -294,12 +302,21 @@ class _PositionCoefficients:
     coef_w: torch.Tensor
 
     @staticmethod
-    def of(head: HeadInputs, rows: RowTargets, layout: RowLayout) -> _PositionCoefficients:
+    def of(
+        head: HeadInputs, rows: RowTargets, layout: RowLayout, split: SplitVocabulary | None
+    ) -> _PositionCoefficients:
+        """``rows`` over the whole vocabulary (``split``: of which the head holds a shard; a
+        target on another shard becomes column -1, none of the shard's)."""
         unit = torch.ones((), device=head.hidden.device)
-        parts = row_coefficient_parts(unit, None, rows, head.spec, head.vocab)
+        vocab = head.vocab if split is None else split.size
+        parts = row_coefficient_parts(unit, None, rows, head.spec, vocab)
+        targets = rows.safe
+        if split is not None:
+            columns = rows.targets.long() - head.col_start
+            targets = torch.where((columns >= 0) & (columns < head.vocab), columns, -1)
         to_positions = layout.rows_to_positions
         return _PositionCoefficients(
-            to_positions(rows.safe),
+            to_positions(targets),
             to_positions(parts.p_base),
             None if parts.p_per_lse is None else to_positions(parts.p_per_lse),
             to_positions(parts.coef_t),
@@ -327,8 +344,10 @@ class _FastBuffers:
         *,
         entropy: bool,
         argmax: bool,
+        split: bool = False,
     ):
-        """Room for ``chunk`` positions' logits (``work``: hidden in the compute dtype)."""
+        """Room for ``chunk`` positions' logits (``work``: hidden in the compute dtype);
+        ``split``: hidden's gradient is a shard's float32 partial sum."""
         vocab, dim = head.classifier.shape
         device, n_positions = work.device, layout.n_positions
         # float32 logits; the gradient, rounded to the compute dtype, over their own memory.
@@ -343,7 +362,7 @@ class _FastBuffers:
         # that is rounded once into it: a bf16 GEMM output lets cuBLAS reduce split-K partials
         # in bf16 (allow_bf16_reduced_precision_reduction), which measurably loses accuracy
         # against lean mode on a peaked softmax. No N x D float32 buffer.
-        hidden_dtype = head.hidden.dtype
+        hidden_dtype = torch.float32 if split else head.hidden.dtype
         self.grad_positions = (
             torch.empty((n_positions, dim), dtype=hidden_dtype, device=device)
             if needs.hidden
@@ -397,10 +416,13 @@ class _FastBuffers:
         if self.grad_bias is not None:
             self.grad_bias += grad.sum(0, dtype=torch.float32)
 
-    def result(self, head: HeadInputs, rows: RowTargets, layout: RowLayout) -> ForwardOut:
-        """The loss, each row's statistics and the gradients in the inputs' dtypes."""
+    def result(
+        self, head: HeadInputs, rows: RowTargets, layout: RowLayout, vocab: int
+    ) -> ForwardOut:
+        """The loss over ``vocab`` classes, each row's statistics and the gradients in the
+        inputs' dtypes (hidden's in the buffer's: float32 for a shard's partial sum)."""
         lse, target_logit, wsum = (_rows_of(layout, s) for s in self.stats)
-        out = ForwardOut(finish_loss(lse, target_logit, wsum, rows, head.spec, head.vocab), lse)
+        out = ForwardOut(finish_loss(lse, target_logit, wsum, rows, head.spec, vocab), lse)
         if self.mean_z is not None:
             out.entropy = lse - layout.positions_to_rows(self.mean_z)
         out.argmax = _rows_of(layout, self.argmax)
@@ -422,36 +444,63 @@ def fast_forward(
     needs: Needs,
     entropy: bool = False,
     argmax: bool = False,
+    split: SplitVocabulary | None = None,
 ) -> ForwardOut:
     """Fast mode: loss, lse and the gradients for a unit upstream gradient, computed in
     chunks of positions (three GEMMs); with ``entropy`` / ``argmax`` also those of each row,
-    from the same pass over each chunk's logits."""
+    from the same pass over each chunk's logits; with ``split``, over a shard of a split
+    vocabulary (``interface.Implementation``)."""
+    if split is not None and (entropy or argmax):
+        raise ValueError("fast mode over a split vocabulary computes no entropy or argmax")
     hidden, classifier, bias = (
         _rounded(head.compute_dtype, t) for t in (head.hidden, head.classifier, head.bias)
     )
     layout = row_layout(hidden, head.spec.shift)
     positions, n_positions = layout.positions(), layout.n_positions
     problem = _problem(layout, head, hidden)
+    if split is not None:  # every rank's chunks alike: one collective each
+        problem = dataclasses.replace(problem, vocab=split.share)
     chunk = policy.fast_run_rows(problem, needs.classifier, head.budget_bytes)
-    coefs = _PositionCoefficients.of(head, rows, layout)
-    out = _FastBuffers(head, layout, needs, chunk, hidden, entropy=entropy, argmax=argmax)
+    coefs = _PositionCoefficients.of(head, rows, layout, split)
+    out = _FastBuffers(
+        head, layout, needs, chunk, hidden, entropy=entropy, argmax=argmax, split=bool(split)
+    )
     classifier_t = classifier.t()
     for start in range(0, n_positions, chunk):
         stop = min(start + chunk, n_positions)
         h, logits = positions[start:stop], out.logits[: stop - start]
         _matmul(h, classifier_t, out=logits)
-        chunk_softmax_grad(
-            logits,
+        kernel_args = dict(
             class_weights=head.class_weights,
             logit_scale=head.spec.logit_scale,
             softcap=head.spec.softcap,
             smoothing=head.spec.needs_wsum,
             bias=bias,
             **coefs.chunk(start, stop),
-            **out.chunk_outputs(start, stop),
         )
+        if split is None:
+            chunk_softmax_grad(logits, **kernel_args, **out.chunk_outputs(start, stop))
+        else:
+            _shard_chunk(logits, kernel_args, out, (start, stop), split)
         out.add_gradients(start, stop, h, classifier)
-    return out.result(head, rows, layout)
+    return out.result(head, rows, layout, head.vocab if split is None else split.size)
+
+
+def _shard_chunk(
+    logits: torch.Tensor, kernel_args: dict, out: _FastBuffers, span: tuple, split
+) -> None:
+    """A chunk of a vocabulary shard's logits: its statistics over the shard (one read),
+    combined over the ranks, then its gradient with the whole vocabulary's lse."""
+    start, stop = span
+    stats = tuple(_part(s, start, stop) for s in out.stats)
+    coefs = ("p_base", "p_per_lse", "coef_t", "coef_w")
+    stat_args = {k: v for k, v in kernel_args.items() if k not in coefs}
+    chunk_row_stats(logits, **stat_args, out=stats)
+    whole = split.combine(RowStats(*stats))
+    for mine, combined in zip(stats, (whole.lse, whole.target_logit, whole.wsum)):
+        if mine is not None:
+            mine.copy_(combined)
+    chunk_softmax_grad(logits, **kernel_args, grad=out.grad[: stop - start], lse=stats[0])
 
 
 def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

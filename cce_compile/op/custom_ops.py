@@ -21,6 +21,7 @@ from . import dispatch, versioning
 from .signature import (
     BACKWARD,
     BACKWARD_RETURNS,
+    FAST_BUFFERS,
     FORWARD,
     FORWARD_RETURNS,
     GRAD_FLAGS,
@@ -55,6 +56,63 @@ def row_index_fake(args, hidden: Tensor) -> Tensor:
     if not args.skip_ignored:
         return empty_output(hidden, torch.int64)
     return hidden.new_empty((_rows_kept_size(),), dtype=torch.int64)
+
+
+def fast_outputs(out, args) -> dict[str, Tensor]:
+    """Fast mode's buffers (``out``: the forward's ``ForwardOut``) as the op's outputs, by
+    name: each gradient for a unit upstream gradient, empty where not computed."""
+    hidden, classifier = args.hidden, args.classifier
+    bias_like = classifier if args.bias is None else args.bias
+    grads = (out.grad_hidden, out.grad_classifier, out.grad_bias)
+    likes = (hidden, classifier, bias_like)
+    return {name: or_empty(g, like) for name, g, like in zip(FAST_BUFFERS.values(), grads, likes)}
+
+
+def fast_outputs_fake(args, hidden_dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """The fake ``fast_outputs``: shaped like their inputs where fast mode fills them
+    (``hidden_dtype``: the hidden buffer's, where it is not hidden's own)."""
+    hidden, classifier, bias = args.hidden, args.classifier, args.bias
+    filled = fast_filled(args)
+    hidden_filled = "grad_hidden" in filled  # (an empty placeholder is in hidden's dtype)
+    return {
+        FAST_BUFFERS["grad_hidden"]: like_if(
+            hidden_filled, hidden, dtype=hidden_dtype if hidden_filled else None
+        ),
+        FAST_BUFFERS["grad_classifier"]: like_if("grad_classifier" in filled, classifier),
+        FAST_BUFFERS["grad_bias"]: like_if("grad_bias" in filled, bias, classifier),
+    }
+
+
+def fast_filled(args) -> set[str]:
+    """The gradient flags whose fast-mode buffers the forward fills: static flags, not sizes
+    (no guards). The autograd formula hands each out once (``claim_fast_buffers``)."""
+    if args.mode != "fast":
+        return set()
+    filled = (args.grad_hidden, args.grad_classifier, args.grad_bias and args.bias is not None)
+    return {flag for flag, is_filled in zip(GRAD_FLAGS, filled) if is_filled}
+
+
+def claim_fast_buffers(ctx, forward, grad_loss) -> list[str] | None:
+    """The gradient flags this backward asks for, whose fast-mode buffers it now hands out
+    (``ctx.fast_held``, from ``fast_filled``, forgets them); None where it must recompute
+    instead: lean mode, a buffer not filled or already handed out, no loss gradient, or
+    create_graph.
+
+    Handed out, a buffer belongs to autograd (it may keep it as ``.grad`` and add into it), so
+    a second backward through the same graph (``retain_graph=True``) recomputes it, lean
+    mode's way. Under torch.compile this Python runs once, at tracing: the compiled backward
+    scales the saved buffer out of place, or in place where Inductor may reuse a donated one
+    (and PyTorch refuses a retained backward of a graph that donates buffers)."""
+    wanted = [flag for flag, needed in requested_gradients(ctx, forward).items() if needed]
+    if grad_loss is None or not wanted or not ctx.fast_held.issuperset(wanted):
+        return None
+    if torch.is_grad_enabled() and type(grad_loss) is Tensor:
+        # create_graph=True, eagerly: the backward op's gradients carry the clear refusal of
+        # a backward through them (refuse_double_backward); buffers would carry no graph.
+        # (AOTAutograd traces every backward with grad enabled: it refuses double backward.)
+        return None
+    ctx.fast_held.difference_update(wanted)
+    return wanted
 
 
 def gradient_outputs(grads, args) -> tuple[Tensor, Tensor, Tensor]:
@@ -173,21 +231,18 @@ def _forward(*values) -> tuple[Tensor, ...]:
     hidden, classifier = args.hidden, args.classifier
     rows = row_shape(hidden, args.shift)
     f32 = torch.float32
-    bias_like = classifier if args.bias is None else args.bias
     return FORWARD_RETURNS.pack(
         loss=out.loss.view(rows) if args.reduction == "none" else out.loss,
         lse=out.lse.view(rows),
-        fast_grad_hidden=_or_empty(out.grad_hidden, hidden),
-        fast_grad_classifier=_or_empty(out.grad_classifier, classifier),
-        fast_grad_bias=_or_empty(out.grad_bias, bias_like),
-        keep_blocks=_or_empty(out.keep_blocks, classifier, torch.uint8),
+        **fast_outputs(out, args),
+        keep_blocks=or_empty(out.keep_blocks, classifier, torch.uint8),
         row_index=row_index_output(out.row_index, hidden),
-        entropy=_or_empty(out.entropy, hidden, f32, rows),
-        argmax=_or_empty(out.argmax, hidden, torch.int64, rows),
+        entropy=or_empty(out.entropy, hidden, f32, rows),
+        argmax=or_empty(out.argmax, hidden, torch.int64, rows),
     )
 
 
-def _or_empty(value: Tensor | None, like: Tensor, dtype=None, shape=None) -> Tensor:
+def or_empty(value: Tensor | None, like: Tensor, dtype=None, shape=None) -> Tensor:
     """An output: ``value`` (viewed as ``shape``), or an empty placeholder like ``like``."""
     if value is None:
         return empty_output(like, dtype)
@@ -215,27 +270,24 @@ def _rows_kept_size() -> torch.SymInt:
 
 def _forward_fake(*values):
     args = FORWARD.bind(values)
-    hidden, classifier, bias = args.hidden, args.classifier, args.bias
+    hidden, classifier = args.hidden, args.classifier
     rows = row_shape(hidden, args.shift)
     f32, i64 = torch.float32, torch.int64
-    fast = args.mode == "fast"
     filtered_rows = (rows[0] * rows[1], filtering.block_count(classifier.shape[0]))
     return FORWARD_RETURNS.pack(
         loss=hidden.new_empty(rows if args.reduction == "none" else (), dtype=f32),
         lse=hidden.new_empty(rows, dtype=f32),
-        fast_grad_hidden=_like_if(fast and args.grad_hidden, hidden),
-        fast_grad_classifier=_like_if(fast and args.grad_classifier, classifier),
-        fast_grad_bias=_like_if(fast and args.grad_bias and bias is not None, bias, classifier),
-        keep_blocks=_like_if(
+        **fast_outputs_fake(args),
+        keep_blocks=like_if(
             dispatch.filters(args), classifier, shape=filtered_rows, dtype=torch.uint8
         ),
         row_index=row_index_fake(args, hidden),
-        entropy=_like_if(args.return_entropy, hidden, shape=rows, dtype=f32),
-        argmax=_like_if(args.return_argmax, hidden, shape=rows, dtype=i64),
+        entropy=like_if(args.return_entropy, hidden, shape=rows, dtype=f32),
+        argmax=like_if(args.return_argmax, hidden, shape=rows, dtype=i64),
     )
 
 
-def _like_if(computed: bool, like: Tensor | None, fallback=None, *, shape=None, dtype=None):
+def like_if(computed: bool, like: Tensor | None, fallback=None, *, shape=None, dtype=None):
     """A fake output: shaped like ``like`` (or ``shape``) where it is computed, else empty."""
     if not computed:
         return empty_output(like if like is not None else fallback, dtype)
@@ -284,34 +336,22 @@ def _setup_context(ctx, inputs, output) -> None:
     args = FORWARD.bind(inputs)
     versioning.check(args.implementation_version)
     out = FORWARD_RETURNS.unpack(output)
-    buffers = {name: getattr(out, name) for name in _FAST_BUFFERS.values()}
+    buffers = {name: getattr(out, name) for name in FAST_BUFFERS.values()}
     # The entropy is a metric: it carries no gradient (TRL's SFT logs it detached).
     ctx.mark_non_differentiable(
         *buffers.values(), out.keep_blocks, out.row_index, out.entropy, out.argmax
     )
     ctx.filtered = dispatch.filters(args)
     ctx.passed_on = args.pick(_PASSED_ON)
-    # Which fast-mode buffers the forward filled: static flags, not sizes (no guards). The
-    # backward hands each out once (``_take_fast_gradients``).
-    fast = args.mode == "fast"
-    filled = (
-        fast and args.grad_hidden,
-        fast and args.grad_classifier,
-        fast and args.grad_bias and args.bias is not None,
-    )
-    ctx.fast_held = {flag for flag, is_filled in zip(GRAD_FLAGS, filled) if is_filled}
+    ctx.fast_held = fast_filled(args)
     save_context(
         ctx, args, lse=out.lse, row_index=out.row_index, keep_blocks=out.keep_blocks, **buffers
     )
 
 
-# The saved fast-mode buffer of each gradient flag (the forward's output names).
-_FAST_BUFFERS = {flag: f"fast_{flag}" for flag in GRAD_FLAGS}
-
-
 def _backward(ctx, grad_loss, grad_lse, *_unused):
     saved = saved_by_name(ctx)
-    buffers = {flag: saved.pop(name) for flag, name in _FAST_BUFFERS.items()}
+    buffers = {flag: saved.pop(name) for flag, name in FAST_BUFFERS.items()}
     if not ctx.filtered:
         saved["keep_blocks"] = None
     backward_op = torch.ops.cce.linear_cross_entropy_backward
@@ -329,23 +369,11 @@ def _backward(ctx, grad_loss, grad_lse, *_unused):
 def _take_fast_gradients(ctx, grad_loss, buffers: dict) -> tuple | None:
     """Fast mode's buffers of the gradients this backward asks for, scaled in place by the
     upstream gradient (``dispatch.scale_gradient_``) and handed to autograd as the gradients
-    (no copy: the classifier's gradient is the only V x D tensor); None unless the forward
-    filled every one asked for, unused, and a loss gradient arrived.
-
-    Handed out, a buffer belongs to autograd (it may keep it as ``.grad`` and add into it), so
-    a second backward through the same graph (``retain_graph=True``) recomputes it, lean
-    mode's way. Under torch.compile this Python runs once, at tracing: the compiled backward
-    scales the saved buffer out of place, or in place where Inductor may reuse a donated one
-    (and PyTorch refuses a retained backward of a graph that donates buffers)."""
-    wanted = [flag for flag, needed in requested_gradients(ctx, FORWARD).items() if needed]
-    if grad_loss is None or not wanted or not ctx.fast_held.issuperset(wanted):
+    (no copy: the classifier's gradient is the only V x D tensor); None where the backward
+    recomputes instead (``claim_fast_buffers``)."""
+    wanted = claim_fast_buffers(ctx, FORWARD, grad_loss)
+    if wanted is None:
         return None
-    if torch.is_grad_enabled() and type(grad_loss) is Tensor:
-        # create_graph=True, eagerly: the backward op's gradients carry the clear refusal of
-        # a backward through them (refuse_double_backward); buffers would carry no graph.
-        # (AOTAutograd traces every backward with grad enabled: it refuses double backward.)
-        return None
-    ctx.fast_held.difference_update(wanted)
     scaled = {flag: dispatch.scale_gradient_(buffers[flag], grad_loss) for flag in wanted}
     return tuple(scaled.get(flag) for flag in GRAD_FLAGS)
 

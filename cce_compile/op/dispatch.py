@@ -48,10 +48,11 @@ def forward(args: Bound) -> ForwardOut:
     return on_kept_rows(args, _forward_rows)
 
 
-def on_kept_rows(args: Bound, forward_rows: ForwardRows) -> ForwardOut:
+def on_kept_rows(args: Bound, forward_rows: ForwardRows, budget: int | None = None) -> ForwardOut:
     """``forward_rows`` on the rows whose target counts (all rows without ``skip_ignored``),
-    its per-row outputs given back for every row, and those rows in ``row_index``."""
-    budget = budget_of(args)
+    its per-row outputs given back for every row, and those rows in ``row_index``;
+    ``budget``: the call's memory budget where not ``budget_of(args)``."""
+    budget = budget_of(args) if budget is None else budget
     selection = compaction.select(args)
     if selection is None or not selection.compacted:
         out = forward_rows(args, budget)

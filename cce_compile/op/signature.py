@@ -143,6 +143,8 @@ _INPUTS = [
 # Which gradients the caller wants (fast mode computes exactly these in the forward).
 GRAD_FLAGS = ("grad_hidden", "grad_classifier", "grad_bias")
 _GRAD_FLAGS = [Argument(name, "bool") for name in GRAD_FLAGS]
+# Fast mode's output holding each flag's gradient for a unit upstream gradient (both ops).
+FAST_BUFFERS = {flag: f"fast_{flag}" for flag in GRAD_FLAGS}
 
 FORWARD = Signature(
     [
@@ -166,7 +168,7 @@ FORWARD = Signature(
 FORWARD_RETURNS = Returns(
     "loss",
     "lse",
-    *(f"fast_{flag}" for flag in GRAD_FLAGS),  # fast mode's unit-upstream gradients
+    *FAST_BUFFERS.values(),  # fast mode's unit-upstream gradients
     "keep_blocks",
     "row_index",
     "entropy",

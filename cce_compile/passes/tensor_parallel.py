@@ -20,7 +20,10 @@ the logits. The replacement works on local tensors::
     loss    = DTensor.from_local(loss, W.device_mesh, (R,))   # where the graph had a DTensor
 
 so hidden's gradient is reduced exactly once, by DTensor: ``from_local(x, (R,))``'s backward
-all-reduces it, and under sequence parallelism the gather's backward reduce-scatters it.
+all-reduces it, and under sequence parallelism the gather's backward reduce-scatters it. The
+op's mode is ``decide.mode``'s for the share of the vocabulary every rank plans for
+(``decide.shard_vocab``), on the example sizes: every rank compiles the same graph, so every
+rank chooses alike.
 
 Left alone, with the reason: a classifier not sharded ``Shard(0)`` on a 1-D mesh, logits read
 per shard (``to_local()`` of vocabulary-sharded logits: each rank's loss over its own classes),
@@ -40,7 +43,8 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
-from .. import decide
+from .. import decide, policy
+from ..op.signature import GRAD_FLAGS
 from . import escapes, safety
 from . import predicates as p
 from . import walk as w
@@ -294,6 +298,7 @@ def _rewrite(graph: Graph, site: TensorParallelSite) -> Node:
     hidden = canonical_hidden(emit, rows_of_hidden(emit, rows, site))
     classifier = emit.method("to_local", site.classifier)
     bias = None if site.bias is None else emit.method("to_local", site.bias)
+    needs = _needs(site)
     op = emit(
         torch.ops.cce.vocab_parallel_cross_entropy.default,
         *forward.build(
@@ -309,6 +314,8 @@ def _rewrite(graph: Graph, site: TensorParallelSite) -> Node:
             group_name=site.shard.group_name,
             reduce_hidden_grad=False,
             lse_all_rows=False,
+            mode=_site_mode(site, needs),
+            **needs,
             implementation_version=ops.IMPLEMENTATION_VERSION,
             skip_ignored=decide.site_compacts_ignored_rows(),
         ),
@@ -320,3 +327,37 @@ def _rewrite(graph: Graph, site: TensorParallelSite) -> Node:
     site.loss.replace_all_uses_with(new_loss)
     erase_unused(graph, [site.loss, *reversed(site.loss_views), *reversed(site.chain), site.head])
     return op
+
+
+def _needs(site: TensorParallelSite) -> dict[str, bool]:
+    """The op's gradient flags: the operands that require grad, where the loss does."""
+    flows = p.tensor_value(site.loss).requires_grad
+    operands = (site.hidden, site.classifier, site.bias)
+    return {
+        flag: bool(flows and n is not None and p.tensor_value(n).requires_grad)
+        for flag, n in zip(GRAD_FLAGS, operands)
+    }
+
+
+def _site_mode(site: TensorParallelSite, needs: dict[str, bool]) -> str:
+    """The op's mode (``decide.mode``) for the share of the vocabulary each rank plans for,
+    on the example sizes (hints: a performance choice, no guard)."""
+    _, sharding, _ = _ops()
+    hidden, classifier = p.tensor_value(site.hidden), p.tensor_value(site.classifier)
+    ranks = sharding.group_size(site.shard.group_name)
+    problem = policy.problem(
+        p.size_hint(site.rows) or 1,
+        (decide.shard_vocab(site.shard.size, ranks), p.size_hint(classifier.shape[1]) or 1),
+        site.compute_dtype,
+        any(t.dtype != site.compute_dtype for t in (hidden, classifier)),
+        hidden.device.type,
+    )
+    return decide.mode(
+        None,
+        problem,
+        grad_filter=None,
+        reduction=site.reduction,
+        needs_grad=any(needs.values()),
+        needs_classifier=needs["grad_classifier"],
+        lse_has_grad=False,
+    )

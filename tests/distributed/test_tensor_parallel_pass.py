@@ -3,9 +3,11 @@
 Each case parallelises a tiny model's lm_head (``ColwiseParallel`` in the forms torchtitan and
 users write), compiles the loss step with a backend that runs the recogniser and AOTAutograd,
 and compares the loss and every parameter's gradient with the same model run in one process,
-eagerly and unsharded. The AOT graphs show the collectives DTensor issues around the op (the
-op's own are counted at run time): forward none, backward one reduction of hidden's gradient
-(all-reduce, or reduce-scatter under sequence parallelism); ``loss_parallel``'s own forward
+eagerly and unsharded. The op runs in the mode ``CCE_MODE`` asks (lean unless the case's name
+says fast or auto; auto chooses fast on a CPU), which the rewritten graph's op must carry. The
+AOT graphs show the collectives DTensor issues around the op (the op's own are counted at run
+time): forward none, backward one reduction of hidden's gradient (all-reduce, or
+reduce-scatter under sequence parallelism), in either mode; ``loss_parallel``'s own forward
 has three all-reduces of N x V_local work.
 
 Forms left alone are checked for their reason, and for running unchanged.
@@ -31,6 +33,9 @@ REWRITTEN = {
     "colwise-bias-hf_shift": ("colwise_bias", "hf_shift", dict()),
     "colwise-ignore_index-sum": ("colwise", "flat", dict(ignore_index=5, reduction="sum")),
     "sequence_parallel": ("sequence_parallel", "flat", dict()),
+    "fast-colwise-bias-hf_shift": ("colwise_bias", "hf_shift", dict()),
+    "fast-sequence_parallel-ignore_index": ("sequence_parallel", "flat", dict(ignore_index=5)),
+    "auto-replicated_logits-smoothing": ("replicated", "flat", dict(label_smoothing=0.1)),
     "replicated_logits-smoothing-scale": (
         "replicated",
         "scaled",
@@ -80,6 +85,11 @@ def _loss(logits, targets, form: str, options: dict, weight):
     if form == "flat_local":  # each rank's own classes: local targets
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten() % logits.shape[-1])
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), weight=weight, **options)
+
+
+def _mode(name: str) -> str:
+    """The CCE_MODE a case runs under: lean unless its name asks for fast or auto."""
+    return next((m for m in ("fast", "auto") if name.startswith(f"{m}-")), "lean")
 
 
 def _run(name: str, rank: int, world: int, mesh) -> dict:
@@ -155,6 +165,7 @@ def _run(name: str, rank: int, world: int, mesh) -> dict:
         forward=captured.collectives("forward"),
         backward=captured.collectives("backward"),
         op=op_collectives,
+        op_modes=captured.op_modes(),
         loss_type=type(loss).__name__,
         head_sharded=isinstance(model.lm_head.weight, DTensor)
         and tuple(model.lm_head.weight.placements) == (Shard(0),),
@@ -164,11 +175,14 @@ def _run(name: str, rank: int, world: int, mesh) -> dict:
 def _worker(rank: int, world: int, names: list[str]) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
+    import cce_compile
+
     mesh = init_device_mesh("cpu", (world,))
     results = {}
     for name in names:
         try:
-            results[name] = _run(name, rank, world, mesh)
+            with cce_compile.config.override(mode=_mode(name)):
+                results[name] = _run(name, rank, world, mesh)
         except Exception:  # noqa: BLE001
             results[name] = dict(error=traceback.format_exc())
     return results
@@ -192,7 +206,11 @@ def test_rewritten_and_exact(results, name):
         got = per_rank[name]
         _exact(got, rank)
         assert got["rewritten"] == 1 and not got["reasons"], got["reasons"]
-        # The op: one all-gather of the packed statistics; hidden's gradient is DTensor's.
+        # auto: fast where gradients are wanted and the loss is a scalar (here, on a CPU)
+        want_mode = "lean" if _mode(name) == "lean" else "fast"
+        assert got["op_modes"] == [want_mode], got["op_modes"]
+        # The op: one all-gather of the packed statistics (fast: one chunk of 16 rows);
+        # hidden's gradient is DTensor's.
         assert got["op"] == {"all_gather": 1}, got["op"]
         if kind == "sequence_parallel":  # the norm's gather is the model's own
             assert got["forward"] == {"all_gather_into_tensor": 1}, got["forward"]

@@ -3,15 +3,17 @@
 Each rank builds the same full case, keeps its DTensor-style shard of the classifier (uneven:
 the first ranks get ceil(V / world) classes), computes the loss and gradients with
 ``vocab_parallel_cross_entropy``, and compares the loss, hidden's gradient and its own rows of
-the classifier's and bias's gradients with the single-process oracle.
+the classifier's and bias's gradients with the single-process oracle. ``CASES`` run in lean
+mode, ``FAST_CASES`` in fast mode (three GEMMs, the gradients computed in the forward).
 
 Every collective that reaches gloo during the forward and during the backward is recorded
 from the profiler (``comm_trace``: the op's own, DTensor's, any other), with what this rank
-sent, and so are the operations that synchronise the host on a GPU. Per call the op issues
-one all-gather forward, of 2 float32 a kept row (3 with label smoothing): each rank's packed
-lse, target logit (and weighted sum); and backward only hidden's gradient reduction, of the
-kept rows, by the op (plain tensors) or by DTensor (DTensor inputs). The forward's one
-synchronisation is compaction's (``nonzero``), the backward has none.
+sent, and so are the operations that synchronise the host on a GPU. Per call the op issues,
+forward, one all-gather of 2 float32 a kept row (3 with label smoothing): each rank's packed
+lse, target logit (and weighted sum), in fast mode one such all-gather per chunk of rows; and
+backward only hidden's gradient reduction, of the kept rows, by the op (plain tensors) or by
+DTensor (DTensor inputs), in both modes. The forward's one synchronisation is compaction's
+(``nonzero``), the backward has none.
 
 All cases of one world size run in one spawn (module-scoped fixture); each case is its own
 test id.
@@ -90,6 +92,42 @@ CASES = {
     "dtensor-replicated": (dict(bias=True), dict(dtensor="replicate")),
     "dtensor-sequence_parallel": (dict(), dict(dtensor="sequence")),
 }
+# Fast mode. ``leading=(4, 24)``: 96 rows, in chunks of 42 at the smallest budget (the share
+# of 2049 classes), so one all-gather per chunk shows; ``flow``: how the gradients are taken.
+FAST_CASES = {
+    "fast-bias": (dict(bias=True), dict()),
+    "fast-chunks-ignored-smoothing-class_weights": (
+        dict(leading=(4, 24), ignored_fraction=0.4, label_smoothing=0.1, class_weights=True),
+        dict(chunks=True),
+    ),
+    "fast-chunks-every_row-softcap-shift1-sum": (
+        dict(leading=(4, 24), shift=1, softcap=3.0, logit_scale=1.3, reduction="sum"),
+        dict(chunks=True, skip_ignored=False),
+    ),
+    "fast-z_loss-int32_targets": (dict(z_loss=1e-3, target_dtype=torch.int32), dict()),
+    "fast-bf16-ignored-smoothing-softcap": (
+        dict(
+            dtype=torch.bfloat16, bias=True, ignored_fraction=0.5, label_smoothing=0.1, softcap=30.0
+        ),
+        dict(),
+    ),  # fmt: skip
+    "fast-amp-bias-ignored": (dict(bias=True, ignored_fraction=0.4), dict(amp=True)),
+    "fast-all_ignored": (dict(ignored_fraction=1.0), dict()),
+    "fast-no_hidden_grad": (dict(bias=True), dict(hidden_grad=False)),
+    # a gradient of the returned lse: the backward recomputes (lean), reducing hidden's once
+    "fast-return_lse": (dict(), dict(return_lse=True)),
+    "fast-accumulate_two_micro_batches": (dict(bias=True), dict(flow="accumulate")),
+    "fast-retained_second_backward": (dict(bias=True, ignored_fraction=0.4), dict(flow="retain")),
+    "fast-autograd_grad": (dict(bias=True), dict(flow="autograd_grad")),
+    "fast-auto": (dict(), dict(mode=None)),  # auto picks fast here (a CPU, a scalar loss)
+    "fast-compiled-inductor": (dict(bias=True, label_smoothing=0.1), dict(compile="inductor")),
+    "fast-dtensor-replicated": (dict(bias=True), dict(dtensor="replicate")),
+    "fast-dtensor-sequence_parallel": (dict(ignored_fraction=0.4), dict(dtensor="sequence")),
+}
+for _cases, _mode in ((CASES, "lean"), (FAST_CASES, "fast")):
+    for _, _call in _cases.values():
+        _call.setdefault("mode", _mode)
+ALL_CASES = {**CASES, **FAST_CASES}
 WORLD4_CASES = [
     "plain",
     "smoothing-class_weights",
@@ -98,6 +136,8 @@ WORLD4_CASES = [
     "tiny_vocab",
     "ignored-none-weights-smoothing-z_loss",
     "ignore_index_0-full_smoothing",
+    "fast-tiny_vocab",
+    "fast-chunks-every_row-softcap-shift1-sum",  # 92 rows: chunks of 85 (a share of 1025)
 ]
 TINY_VOCAB = 3  # fewer classes than 4 ranks: the last rank's shard is empty
 
@@ -108,93 +148,54 @@ def _shard(vocab: int, rank: int, world: int) -> tuple[int, int]:
     return sum(sizes[:rank]), sizes[rank]
 
 
+def _case(name: str) -> tuple[dict, dict]:
+    """(build_case options, call options) of a case, by name."""
+    if name in ALL_CASES:
+        case_opts, call = ALL_CASES[name]
+        return dict(case_opts), dict(call)
+    fast = name.startswith("fast-")  # fast-tiny_vocab
+    return dict(), dict(mode="fast" if fast else "lean")
+
+
 def _run_case(name: str, rank: int, world: int, mesh) -> dict:
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     import cce_compile
-    from cce_compile.distributed import vocab_parallel_cross_entropy
 
-    case_opts, call = CASES.get(name, (dict(), dict()))
-    vocab = TINY_VOCAB if name == "tiny_vocab" else VOCAB
+    case_opts, call = _case(name)
+    vocab = TINY_VOCAB if name.endswith("tiny_vocab") else VOCAB
     dtype = case_opts.pop("dtype", torch.float32)
-    case = build_case(leading=(2, 6), dim=16, vocab=vocab, dtype=dtype, seed=3, **case_opts)
-    case_opts["dtype"] = dtype
+    leading = case_opts.pop("leading", (2, 6))
+    case = build_case(leading=leading, dim=16, vocab=vocab, dtype=dtype, seed=3, **case_opts)
     start, rows = _shard(vocab, rank, world)
-    hidden = case.hidden.clone().requires_grad_(call.get("hidden_grad", True))
-    classifier = case.classifier[start : start + rows].clone().requires_grad_()
-    bias = None if case.bias is None else case.bias[start : start + rows].clone().requires_grad_()
+    leaves, inputs, shard_args = _inputs(case, call, (start, rows), rank, world, mesh)
+    fn = _loss_function(call)
     options = case.options()
     options["ignore_index"] = call.get("ignore_index_as", int)(options["ignore_index"])
-    mode = call.get("dtensor")
-    if mode is None:
-        shard_args = dict(vocab_start=start, vocab_size=vocab, group=mesh.get_group())
-        inputs = (hidden, classifier, case.targets, bias)
-    else:
-        # The DTensor entry: the classifier's rows come from distribute_tensor's own split.
-        full_w = case.classifier.clone().requires_grad_()
-        weight = distribute_tensor(full_w.detach(), mesh, [Shard(0)]).requires_grad_()
-        classifier = weight
-        if bias is not None:
-            bias = distribute_tensor(case.bias.detach(), mesh, [Shard(0)]).requires_grad_()
-        placement = Shard(1) if mode == "sequence" else Replicate()
-        local = hidden.chunk(world, 1)[rank] if mode == "sequence" else hidden
-        local = local.detach().requires_grad_()
-        hidden_in = DTensor.from_local(local, mesh, [placement], run_check=False)
-        shard_args = {}
-        inputs = (hidden_in, weight, case.targets, bias)
-    fn = vocab_parallel_cross_entropy
-    if "compile" in call:
-        torch._dynamo.reset()
-        fn = torch.compile(fn, backend=call["compile"], fullgraph=True)
     return_lse = call.get("return_lse", False)
     settings = dict(skip_ignored=call.get("skip_ignored", True))
-    with cce_compile.config.override(**settings), traced() as forward:
-        out = fn(*inputs, **shard_args, **options, return_lse=return_lse)
+
+    def step():
+        amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=call.get("amp", False))
+        with cce_compile.config.override(**settings), amp:
+            return fn(*inputs, **shard_args, **options, return_lse=return_lse, mode=call["mode"])
+
+    with traced() as forward:
+        out = step()
     ours = out if isinstance(out, tuple) else (out,)
     gen = torch.Generator().manual_seed(7)
     upstream = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in ours]
     ours = [o.full_tensor() if isinstance(o, DTensor) else o for o in ours]
     total = sum((o.double() * u).sum() for o, u in zip(ours, upstream))
     with traced() as backward:
-        total.backward()
-
-    for t in case.leaves():
-        t.requires_grad_()
-    if not call.get("hidden_grad", True):
-        case.hidden.requires_grad_(False)
-    expected = oracle(case, return_lse=return_lse)
-    expected = expected if isinstance(expected, tuple) else (expected,)
-    errors = {}
-    for label, a, e, scale in zip(("loss", "lse"), ours, expected, (loss_scale(case), 0.0)):
-        errors[label] = (rel_error(a, e, scale), LOSS_RTOL[dtype])
-    leaves = [t for t in case.leaves() if t.requires_grad]
-    want = torch.autograd.grad(
-        sum((e * u).sum() for e, u in zip(expected, upstream)), leaves, allow_unused=True
-    )
-    scales = gradient_scale(case, upstream[0], upstream[1] if return_lse else None, leaves)
-    wanted = dict(zip([id(t) for t in leaves], zip(want, scales)))
-    if mode is None:
-        got = {"hidden": (hidden, case.hidden), "classifier": (classifier, case.classifier)}
-        if bias is not None:
-            got["bias"] = (bias, case.bias)
-        slices = {"classifier": slice(start, start + rows), "bias": slice(start, start + rows)}
-    else:
-        got = {"hidden": (local, case.hidden), "classifier": (weight, case.classifier)}
-        if bias is not None:
-            got["bias"] = (bias, case.bias)
-        hidden_rows = local.shape[1]
-        seq = slice(rank * hidden_rows, (rank + 1) * hidden_rows) if mode == "sequence" else None
-        slices = {"hidden": (slice(None), seq) if seq else slice(None)}
-    for label, (leaf, full) in got.items():
-        if not leaf.requires_grad:
-            continue
-        expect, scale = wanted[id(full)]
-        grad = leaf.grad
-        if isinstance(grad, DTensor):
-            grad = grad.full_tensor()
-        expect = expect[slices.get(label, slice(None))]
-        errors[f"grad_{label}"] = (rel_error(grad, expect, scale), GRAD_RTOL[dtype])
-        errors[f"grad_{label}_dtype"] = (float(grad.dtype != leaf.dtype), 0.0)
+        taken = _take_gradients(total, leaves, call.get("flow"))
+    if call.get("flow") == "accumulate":  # a second micro-batch: the same inputs, twice the sum
+        again = step()
+        again = again if isinstance(again, tuple) else (again,)
+        again = [o.full_tensor() if isinstance(o, DTensor) else o for o in again]
+        sum((o.double() * u).sum() for o, u in zip(again, upstream)).backward()
+    factor = 2.0 if call.get("flow") in ("accumulate", "retain") else 1.0
+    errors = _errors(case, call, leaves, taken, (ours, upstream, factor), (start, rows, rank))
     return dict(
         errors=errors,
         outputs=[o.detach().double().tolist() for o in ours],  # (a tensor cannot leave)
@@ -206,11 +207,127 @@ def _run_case(name: str, rank: int, world: int, mesh) -> dict:
     )
 
 
+def _inputs(case, call: dict, shard: tuple[int, int], rank: int, world: int, mesh):
+    """(leaves by label: (our leaf, the case's full tensor), the function's tensors, its
+    shard arguments): this rank's shard as plain tensors, or the DTensor entry's."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    start, rows = shard
+    hidden = case.hidden.clone().requires_grad_(call.get("hidden_grad", True))
+    bias = None
+    if call.get("dtensor") is None:
+        classifier = case.classifier[start : start + rows].clone().requires_grad_()
+        if case.bias is not None:
+            bias = case.bias[start : start + rows].clone().requires_grad_()
+        vocab = case.classifier.shape[0]
+        shard_args = dict(vocab_start=start, vocab_size=vocab, group=mesh.get_group())
+        leaves = {"hidden": (hidden, case.hidden), "classifier": (classifier, case.classifier)}
+        inputs = (hidden, classifier, case.targets, bias)
+    else:
+        # The DTensor entry: the classifier's rows come from distribute_tensor's own split.
+        classifier = distribute_tensor(case.classifier, mesh, [Shard(0)]).requires_grad_()
+        if case.bias is not None:
+            bias = distribute_tensor(case.bias, mesh, [Shard(0)]).requires_grad_()
+        sequence = call["dtensor"] == "sequence"
+        placement = Shard(1) if sequence else Replicate()
+        local = hidden.chunk(world, 1)[rank] if sequence else hidden
+        local = local.detach().requires_grad_(call.get("hidden_grad", True))
+        hidden_in = DTensor.from_local(local, mesh, [placement], run_check=False)
+        shard_args = {}
+        leaves = {"hidden": (local, case.hidden), "classifier": (classifier, case.classifier)}
+        inputs = (hidden_in, classifier, case.targets, bias)
+    if bias is not None:
+        leaves["bias"] = (bias, case.bias)
+    return leaves, inputs, shard_args
+
+
+def _loss_function(call: dict):
+    from cce_compile.distributed import vocab_parallel_cross_entropy
+
+    if "compile" not in call:
+        return vocab_parallel_cross_entropy
+    torch._dynamo.reset()
+    return torch.compile(vocab_parallel_cross_entropy, backend=call["compile"], fullgraph=True)
+
+
+def _take_gradients(total, leaves: dict, flow: str | None) -> dict:
+    """The gradients of ``total`` by label: ``.grad`` after a backward (twice through a
+    retained graph for "retain"), or what ``torch.autograd.grad`` returns ("autograd_grad"),
+    which must leave ``.grad`` alone."""
+    wanted = {label: leaf for label, (leaf, _) in leaves.items() if leaf.requires_grad}
+    if flow == "autograd_grad":
+        grads = torch.autograd.grad(total, list(wanted.values()))
+        assert all(leaf.grad is None for leaf in wanted.values()), "autograd.grad set .grad"
+        return dict(zip(wanted, grads))
+    total.backward(retain_graph=flow == "retain")
+    if flow == "retain":  # fast mode's buffers are handed out: this one recomputes
+        total.backward()
+    return {label: None for label in wanted}  # read from .grad once every backward ran
+
+
+def _errors(case, call: dict, leaves: dict, taken: dict, outputs, where) -> dict:
+    """Relative errors (with their tolerances) of the loss, the lse and each gradient
+    against the oracle; under AMP the oracle computes on the bf16-rounded inputs."""
+    from torch.distributed.tensor import DTensor
+
+    ours, upstream, factor = outputs
+    start, rows, rank = where
+    dtype = case.hidden.dtype
+    if call.get("amp"):  # what the head computes on
+        for name in ("hidden", "classifier", "bias"):
+            if getattr(case, name) is not None:
+                setattr(case, name, getattr(case, name).bfloat16().float())
+    grad_dtype = torch.bfloat16 if call.get("amp") else dtype
+    for t in case.leaves():
+        t.requires_grad_()
+    if not call.get("hidden_grad", True):
+        case.hidden.requires_grad_(False)
+    return_lse = call.get("return_lse", False)
+    expected = oracle(case, return_lse=return_lse)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    errors = {}
+    for label, a, e, scale in zip(("loss", "lse"), ours, expected, (loss_scale(case), 0.0)):
+        errors[label] = (rel_error(a, e, scale), LOSS_RTOL[dtype])
+    full = [t for t in case.leaves() if t.requires_grad]
+    want = torch.autograd.grad(
+        sum((e * u * factor).sum() for e, u in zip(expected, upstream)), full, allow_unused=True
+    )
+    up = [u * factor for u in upstream]
+    scales = gradient_scale(case, up[0], up[1] if return_lse else None, full)
+    wanted = dict(zip([id(t) for t in full], zip(want, scales)))
+    by_full = {"hidden": case.hidden, "classifier": case.classifier, "bias": case.bias}
+    for label, (leaf, _) in leaves.items():
+        if not leaf.requires_grad:
+            continue
+        expect, scale = wanted[id(by_full[label])]
+        grad = taken.get(label) if taken.get(label) is not None else leaf.grad
+        if isinstance(grad, DTensor):
+            grad = grad.full_tensor()
+        expect = expect[_rows_of(label, leaf, call, (start, rows, rank))]
+        errors[f"grad_{label}"] = (rel_error(grad, expect, scale), GRAD_RTOL[grad_dtype])
+        errors[f"grad_{label}_dtype"] = (float(grad.dtype != leaf.dtype), 0.0)
+    return errors
+
+
+def _rows_of(label: str, leaf, call: dict, where) -> tuple | slice:
+    """This rank's part of a full gradient: its classes of the classifier and bias (plain
+    shards), its sequence part of hidden (a sequence-sharded DTensor hidden)."""
+    start, rows, rank = where
+    mode = call.get("dtensor")
+    if mode is None:
+        return slice(start, start + rows) if label != "hidden" else slice(None)
+    if label == "hidden" and mode == "sequence":
+        seq = leaf.shape[1]
+        return (slice(None), slice(rank * seq, (rank + 1) * seq))
+    return slice(None)
+
+
 def _expected_collectives(case, call: dict, world: int) -> dict:
-    """(kind, elements sent, dtype) of each collective forward and backward: the op's one
-    packed all-gather of the kept rows' statistics, and hidden's gradient reduction (of the
-    kept rows by the op; of every row by DTensor), plus DTensor's gather of a sequence-sharded
-    hidden. No collective of no rows: every rank knows the count."""
+    """(kind, elements sent, dtype) of each collective forward and backward: the op's packed
+    all-gather of the kept rows' statistics (in fast mode one per chunk: ``forward_rows``
+    gives the total, ``_check`` the chunks), and hidden's gradient reduction (of the kept rows
+    by the op; of every row by DTensor; once per backward), plus DTensor's gather of a
+    sequence-sharded hidden. No collective of no rows: every rank knows the count."""
     batch, time, dim = case.hidden.shape
     rows = batch * (time - case.shift)
     valid = int(valid_rows(case.targets[:, case.shift :], case.ignore_index).sum())
@@ -218,27 +335,43 @@ def _expected_collectives(case, call: dict, world: int) -> dict:
     kept = valid if compacts else rows
     packed = 3 if case.label_smoothing > 0 else 2
     dtype = str(case.hidden.dtype).removeprefix("torch.")
-    forward = [("all_gather", packed * kept, "float32")] if kept else []
+    forward = []
     backward = []
     mode = call.get("dtensor")
     if mode == "sequence":  # DTensor gathers hidden, and reduce-scatters its gradient
-        forward.insert(0, ("all_gather", batch * time * dim // world, dtype))
+        forward.append(("all_gather", batch * time * dim // world, dtype))
         backward.append(("reduce_scatter", batch * time * dim, dtype))
     elif mode == "replicate":  # from_local's backward reduces the Partial gradient
         backward.append(("all_reduce", batch * time * dim, dtype))
-    elif call.get("hidden_grad", True) and kept:
-        backward.append(("all_reduce", kept * dim, "float32"))
-    return dict(forward=forward, backward=backward, compacts=compacts)
+    elif call.get("hidden_grad", True) and kept:  # the kept rows, or all of hidden
+        reduced = kept * dim if kept < rows else batch * time * dim
+        backward.append(("all_reduce", reduced, "float32"))
+    if call.get("flow") == "retain":  # the second backward's own reduction
+        backward *= 2
+    return dict(forward=forward, backward=backward, compacts=compacts, packed=packed, kept=kept)
 
 
 def _worker(rank: int, world: int, names: list[str]) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
+    from cce_compile.distributed import vocab_parallel
+
+    # Which mode ran: fast mode's forward on this rank's shard, counted.
+    fast_runs = []
+    fast_forward_rows = vocab_parallel._fast_forward_rows
+
+    def counted(*args, **kwargs):
+        fast_runs.append(1)
+        return fast_forward_rows(*args, **kwargs)
+
+    vocab_parallel._fast_forward_rows = counted
     mesh = init_device_mesh("cpu", (world,))
     results = {}
     for name in names:
+        before = len(fast_runs)
         try:
             results[name] = _run_case(name, rank, world, mesh)
+            results[name]["fast_runs"] = len(fast_runs) - before
         except Exception:  # noqa: BLE001  (one case's failure is that test's, not all)
             results[name] = dict(error=traceback.format_exc())
     return results
@@ -246,7 +379,7 @@ def _worker(rank: int, world: int, names: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def world2() -> list[dict]:
-    return launcher.run(_worker, 2, list(CASES))
+    return launcher.run(_worker, 2, list(ALL_CASES))
 
 
 @pytest.fixture(scope="module")
@@ -261,9 +394,11 @@ def _check(results: list[dict], name: str) -> None:
         for label, (err, tol) in got["errors"].items():
             assert err <= tol, f"rank {rank}: {label} relative error {err:.3e} > {tol:.1e}"
         expected = got["expected"]
-        assert got["forward"] == expected["forward"], got
+        _, call = _case(name)
+        # every fast case ran fast mode ("fast-auto" by auto's choice), no lean case did
+        assert (got["fast_runs"] > 0) == (call["mode"] != "lean"), got["fast_runs"]
+        _check_forward_collectives(got["forward"], expected, call)
         assert got["backward"] == expected["backward"], got
-        _, call = CASES.get(name, (dict(), dict()))
         if "compile" in call:  # compiling synchronises at will; the run is the eager one's
             continue
         # Scalar reads that are no device sync on a GPU: decide.check_targets' range check
@@ -284,7 +419,27 @@ def _check(results: list[dict], name: str) -> None:
             assert torch.equal(mine, theirs), f"rank {rank} differs"
 
 
-@pytest.mark.parametrize("name", list(CASES))
+def _check_forward_collectives(got: list, expected: dict, call: dict) -> None:
+    """DTensor's own collectives first, then the op's all-gathers of the packed statistics of
+    the kept rows: one in lean mode; in fast mode one per chunk, every chunk but the last of
+    the same rows (``chunks``: several)."""
+    own = len(expected["forward"])
+    assert got[:own] == expected["forward"], got
+    gathers = got[own:]
+    packed, kept = expected["packed"], expected["kept"]
+    assert all(kind == "all_gather" and dtype == "float32" for kind, _, dtype in gathers), got
+    sizes = [size // packed for _, size, _ in gathers]
+    assert [size * packed for size in sizes] == [size for _, size, _ in gathers], got
+    assert sum(sizes) == kept, (sizes, kept)
+    if call["mode"] == "lean" or not kept:
+        assert len(sizes) == (1 if kept else 0), sizes
+    else:  # one all-gather per chunk of rows: ceil(kept / chunk) of them
+        assert all(n == sizes[0] for n in sizes[:-1]) and sizes[-1] <= sizes[0], sizes
+        assert len(sizes) == -(-kept // sizes[0]), sizes
+        assert (len(sizes) > 1) == bool(call.get("chunks")), sizes
+
+
+@pytest.mark.parametrize("name", list(ALL_CASES))
 def test_two_ranks(world2, name):
     _check(world2, name)
 

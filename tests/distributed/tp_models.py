@@ -47,6 +47,14 @@ class Captured:
                     counts[key] = counts.get(key, 0) + 1
         return counts
 
+    def op_modes(self) -> list[str]:
+        """The mode of each vocabulary-parallel op in the AOT forward graphs."""
+        from cce_compile.distributed.signature import FORWARD
+
+        op = torch.ops.cce.vocab_parallel_cross_entropy.default
+        nodes = [n for gm in self.forward for n in gm.graph.nodes if n.target is op]
+        return [FORWARD.bind(n.args).mode for n in nodes]
+
     @property
     def rewritten(self) -> int:
         from cce_compile.passes.tensor_parallel import TensorParallelSite

@@ -178,6 +178,47 @@ def test_chunk_softmax_grad_in_place():
     torch.testing.assert_close(logits.double(), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_chunk_row_stats_then_the_gradient_with_a_given_lse():
+    """A vocabulary shard's two passes (the vocabulary-parallel fast mode): the shard's
+    statistics with targets on other shards (-1: target logit exactly 0), then the gradient
+    with a given lse (here the shard's own plus a constant, as another rank's classes add)."""
+    from cce_compile.kernels.chunk_softmax_grad import chunk_row_stats, chunk_softmax_grad
+
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(7, 45, generator=gen) * 3).to(DEVICE)
+    bias = torch.randn(45, generator=gen).to(DEVICE)
+    weights = (torch.rand(45, generator=gen) + 0.5).to(DEVICE)
+    z = 4.0 * torch.tanh((logits.double() + bias.double()) * 0.7 / 4.0)
+    targets = torch.randint(0, 45, (7,), generator=gen).to(DEVICE)
+    targets[::2] = -1  # on another rank's shard
+    options = dict(logit_scale=0.7, softcap=4.0, smoothing=True, bias=bias, block=16)
+    lse, target_logit, wsum = chunk_row_stats(logits, targets, weights, **options)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(z, -1), rtol=1e-6, atol=1e-6)
+    here = targets >= 0
+    expected_target = torch.where(here, z.gather(1, targets.clamp(min=0)[:, None])[:, 0], 0.0)
+    torch.testing.assert_close(target_logit.double(), expected_target, rtol=1e-6, atol=1e-6)
+    assert torch.all(target_logit[~here] == 0)
+    torch.testing.assert_close(wsum.double(), z @ weights.double(), rtol=1e-5, atol=1e-5)
+
+    whole_lse = lse + 1.5
+    p_base, c_t, c_w = (torch.rand(7, generator=gen).to(DEVICE) for _ in range(3))
+    returned = chunk_softmax_grad(
+        logits, targets, weights, p_base, None, c_t, c_w, lse=whole_lse, **options
+    )
+    assert returned[0] is whole_lse and returned[1:] == (None, None)
+    onehot = (targets[:, None] == torch.arange(45, device=DEVICE)).double()
+    dz = p_base.double()[:, None] * torch.exp(z - whole_lse.double()[:, None])
+    dz = dz - c_t.double()[:, None] * onehot - c_w.double()[:, None] * weights.double()
+    expected = dz * (1 - (z / 4.0) ** 2) * 0.7
+    torch.testing.assert_close(logits.double(), expected, rtol=1e-5, atol=1e-6)
+
+    empty = torch.empty(3, 0, device=DEVICE)  # an empty shard
+    lse, target_logit, wsum = chunk_row_stats(
+        empty, targets[:3], None, logit_scale=1.0, softcap=None, smoothing=True
+    )
+    assert torch.all(lse == float("-inf")) and not target_logit.any() and not wsum.any()
+
+
 def test_chunk_softmax_grad_writes_a_half_width_gradient_over_its_float32_logits():
     """The bf16 gradient of each row lands over the first half of its own float32 row."""
     from cce_compile.kernels.chunk_softmax_grad import chunk_softmax_grad
