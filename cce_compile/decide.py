@@ -164,6 +164,17 @@ def ignore_index_of(value) -> int:
     return index
 
 
+def int_argument(name: str, value) -> int:
+    """An integer argument (a size, an offset) as a Python int: what ``operator.index``
+    reads, no bool."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
 def _check_scalar(name: str, value) -> None:
     """``softcap`` (a finite number > 0, or None) or ``logit_scale`` (finite): a Python
     number, or a 0-d tensor holding one real number."""

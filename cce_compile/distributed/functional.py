@@ -93,6 +93,12 @@ def vocab_parallel_cross_entropy(
     decide.check_mode(mode)
     options = (ignore_index, reduction, label_smoothing, softcap, logit_scale, shift, z_loss)
     spec = decide.loss_spec(hidden, *options)
+    route = decide.route((hidden, classifier, targets, bias, class_weights), logit_scale, softcap)
+    if route is not None:  # the single-device function serves these with PyTorch's autograd
+        raise NotImplementedError(
+            f"vocab_parallel_cross_entropy does not serve {route}: its op has no formula for "
+            "it (pass numbers that need no gradient, outside torch.func transforms)"
+        )
     spec = decide.with_scalars(spec, logit_scale, softcap)
     hidden, targets, rows_shape = decide.canonical_form(hidden, targets, spec.shift)
     tensors = (hidden, classifier, targets, bias, class_weights)
@@ -114,6 +120,7 @@ def _call_op(tensors, spec, shard: sharding.VocabShard, mode: str | None, flags)
     hidden, classifier, targets, bias, class_weights = tensors
     return_lse, reduce_hidden_grad = flags
     compute_dtype = decide.compute_dtype(hidden, classifier, bias)
+    _check_covered(shard)
     grad_on = torch.is_grad_enabled()
     needs = dict(
         grad_hidden=grad_on and hidden.requires_grad,
@@ -192,9 +199,22 @@ def _local_inputs(hidden, classifier, bias, shard_given):
         raise ValueError(
             "vocab_start and vocab_size: required with a plain-tensor classifier shard"
         )
-    shard = sharding.VocabShard(
-        int(vocab_start), classifier.shape[0], int(vocab_size), sharding.group_name(group)
-    )
+    start, size = (decide.int_argument(n, v) for n, v in _named(vocab_start, vocab_size))
+    shard = sharding.VocabShard(start, classifier.shape[0], size, sharding.group_name(group))
     if isinstance(hidden, DTensor):
         raise TypeError("hidden: a DTensor needs a DTensor classifier (or pass hidden's local)")
     return hidden, classifier, bias, shard, None
+
+
+def _named(vocab_start, vocab_size):
+    return (("vocab_start", vocab_start), ("vocab_size", vocab_size))
+
+
+def _check_covered(shard: sharding.VocabShard) -> None:
+    """A group of one rank must hold the whole vocabulary (larger groups cannot tell without a
+    collective)."""
+    if sharding.group_size(shard.group_name) == 1 and (shard.start, shard.rows) != (0, shard.size):
+        raise ValueError(
+            f"vocab_start={shard.start} with a shard of {shard.rows} classes: on a group of one "
+            f"rank the shard must be the whole vocabulary (vocab_size={shard.size})"
+        )

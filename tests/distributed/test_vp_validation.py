@@ -52,6 +52,14 @@ def _call(**changes):
             id="mixed-dtypes",
         ),
         pytest.param(dict(group=3), TypeError, "group", id="group-type"),
+        pytest.param(dict(vocab_start=0.5), TypeError, "vocab_start", id="float-start"),
+        pytest.param(dict(vocab_size="12"), TypeError, "vocab_size", id="str-size"),
+        pytest.param(
+            dict(logit_scale=torch.tensor(2.0, requires_grad=True)),
+            NotImplementedError,
+            "logit_scale or softcap tensor that requires grad",
+            id="scale-needing-grad",
+        ),
     ],
 )
 def test_bad_argument_is_named(changes, error, names):
@@ -73,3 +81,19 @@ def test_bad_argument_is_named(changes, error, names):
 def test_ignore_index_refused_like_pytorch(value, error):
     with pytest.raises(error, match="ignore_index"):
         _call(ignore_index=value)
+
+
+def test_a_one_rank_group_must_hold_the_whole_vocabulary():
+    """One rank: its shard is the vocabulary, or the loss would be over fewer classes."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        with pytest.raises(ValueError, match="whole vocabulary"):
+            _call(group=None)  # classes [0, 5) of 12
+        assert torch.isfinite(_call(group=None, vocab_size=ROWS))
+    finally:
+        if created:
+            dist.destroy_process_group()
