@@ -348,15 +348,48 @@ def budget_bytes(problem: policy.Problem) -> int:
     return policy.budget_bytes(problem, settings.memory_budget_mb, settings.memory_fraction)
 
 
-def mode(requested: str | None, problem: policy.Problem, *, grad_filter, **call) -> str:
+def mode(
+    requested: str | None,
+    problem: policy.Problem,
+    needs: dict[str, bool],
+    *,
+    reduction: str,
+    grad_filter: float | None = None,
+    lse_has_grad: bool = False,
+) -> str:
     """The concrete mode ('lean' or 'fast') of a call: ``requested`` (None: the configured
     mode; a requested mode is explicit: 'fast' where it cannot apply is an error), lean under
-    gradient filtering, else the policy's choice. ``call``: ``policy.choose_mode``'s reduction,
-    needs_grad, needs_classifier and lse_has_grad."""
+    gradient filtering, else the policy's choice for the gradients ``needs`` asks for (the op's
+    grad flags, ``gradients_asked``)."""
     explicit = requested is not None
     requested = "lean" if grad_filter is not None else requested or config.get().mode
-    budget = budget_bytes(problem)
-    return policy.choose_mode(requested, problem=problem, budget=budget, explicit=explicit, **call)
+    return policy.choose_mode(
+        requested,
+        reduction=reduction,
+        needs_grad=any(needs.values()),
+        needs_classifier=needs["grad_classifier"],
+        lse_has_grad=lse_has_grad,
+        problem=problem,
+        budget=budget_bytes(problem),
+        explicit=explicit,
+    )
+
+
+def gradients_asked(hidden: Tensor, classifier: Tensor, bias: Tensor | None) -> dict[str, bool]:
+    """The op's grad flags for a call: the head's inputs that require grad, in grad mode."""
+    grad_on = torch.is_grad_enabled()
+    return dict(
+        grad_hidden=grad_on and hidden.requires_grad,
+        grad_classifier=grad_on and classifier.requires_grad,
+        grad_bias=grad_on and bias is not None and bias.requires_grad,
+    )
+
+
+def op_inputs(tensors, compute: torch.dtype | None) -> dict:
+    """The op's tensor arguments, by name, from (hidden, classifier, targets, bias,
+    class_weights) in the ops' canonical form, and the compute dtype."""
+    names = ("hidden", "classifier", "targets", "bias", "class_weights")
+    return dict(zip(names, tensors), compute_dtype=compute)
 
 
 # --- skipping ignored rows -------------------------------------------------------------------

@@ -137,30 +137,19 @@ def _loss(tensors, spec: LossSpec, scalars, wanted: _Wanted, mode, grad_filter):
 def _call_op(tensors, compute_dtype, spec: LossSpec, wanted: _Wanted, mode, grad_filter):
     """The loss and the outputs ``wanted`` (in the documented order) from
     ``torch.ops.cce.linear_cross_entropy`` in the mode ``decide`` chooses."""
-    hidden, classifier, targets, bias, class_weights = tensors
-    grad_on = torch.is_grad_enabled()
-    needs = dict(
-        grad_hidden=grad_on and hidden.requires_grad,
-        grad_classifier=grad_on and classifier.requires_grad,
-        grad_bias=grad_on and bias is not None and bias.requires_grad,
-    )
+    hidden, classifier, _, bias, _ = tensors
+    needs = decide.gradients_asked(hidden, classifier, bias)
     chosen = decide.mode(
         mode,
         decide.problem_of(hidden, classifier, spec.shift, compute_dtype),
-        grad_filter=grad_filter,
+        needs,
         reduction=spec.reduction,
-        needs_grad=any(needs.values()),
-        needs_classifier=needs["grad_classifier"],
-        lse_has_grad=wanted.lse and grad_on,
+        grad_filter=grad_filter,
+        lse_has_grad=wanted.lse and torch.is_grad_enabled(),
     )
     output = torch.ops.cce.linear_cross_entropy(
         *FORWARD.build(
-            hidden=hidden,
-            classifier=classifier,
-            targets=targets,
-            bias=bias,
-            class_weights=class_weights,
-            compute_dtype=compute_dtype,
+            **decide.op_inputs(tensors, compute_dtype),
             spec=spec,
             lse_all_rows=wanted.lse,
             mode=chosen,

@@ -155,7 +155,7 @@ def test_problem_of_tensors_is_the_problem_of_their_sizes():
 
 def test_mode_explicit_fast_without_a_scalar_loss_is_an_error_and_filtering_takes_lean():
     problem = policy.problem(4096, (32000, 2048), torch.bfloat16, False, "cuda")
-    call = dict(needs_grad=True, needs_classifier=True, lse_has_grad=False)
+    call = dict(needs=dict(grad_hidden=True, grad_classifier=True, grad_bias=False))
     with pytest.raises(ValueError, match="mode='fast' needs reduction"):
         decide.mode("fast", problem, grad_filter=None, reduction="none", **call)
     assert decide.mode("fast", problem, grad_filter=0.01, reduction="mean", **call) == "lean"

@@ -121,30 +121,18 @@ def _call_op(tensors, spec, shard: sharding.VocabShard, mode: str | None, flags)
     return_lse, reduce_hidden_grad = flags
     compute_dtype = decide.compute_dtype(hidden, classifier, bias)
     _check_covered(shard)
-    grad_on = torch.is_grad_enabled()
-    needs = dict(
-        grad_hidden=grad_on and hidden.requires_grad,
-        grad_classifier=grad_on and classifier.requires_grad,
-        grad_bias=grad_on and bias is not None and bias.requires_grad,
-    )
+    needs = decide.gradients_asked(hidden, classifier, bias)
     share = decide.shard_vocab(shard.size, sharding.group_size(shard.group_name))
     chosen = decide.mode(
         mode,
         decide.problem_of(hidden, classifier, spec.shift, compute_dtype, vocab=share),
-        grad_filter=None,
+        needs,
         reduction=spec.reduction,
-        needs_grad=any(needs.values()),
-        needs_classifier=needs["grad_classifier"],
-        lse_has_grad=return_lse and grad_on,
+        lse_has_grad=return_lse and torch.is_grad_enabled(),
     )
     return torch.ops.cce.vocab_parallel_cross_entropy(
         *FORWARD.build(
-            hidden=hidden,
-            classifier=classifier,
-            targets=targets,
-            bias=bias,
-            class_weights=class_weights,
-            compute_dtype=compute_dtype,
+            **decide.op_inputs(tensors, compute_dtype),
             spec=spec,
             vocab_start=shard.start,
             vocab_size=shard.size,

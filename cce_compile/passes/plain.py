@@ -18,7 +18,7 @@ from torch.fx import Graph, Node
 
 from .. import config, decide, policy
 from ..op.custom_ops import IMPLEMENTATION_VERSION
-from ..op.signature import FORWARD
+from ..op.signature import FORWARD, GRAD_FLAGS
 from . import escapes, placeholder, safety
 from . import predicates as p
 from . import walk as w
@@ -305,10 +305,9 @@ def choose_site_mode(site: PlainSite, needs: tuple[bool, bool, bool]) -> str:
     return decide.mode(
         None,
         problem,
-        grad_filter=site_grad_filter(site),
+        dict(zip(GRAD_FLAGS, needs)),
         reduction=site.reduction,
-        needs_grad=any(needs),
-        needs_classifier=needs[1],
+        grad_filter=site_grad_filter(site),
         lse_has_grad=bool(site.lse_users),
     )
 

@@ -352,12 +352,4 @@ def _site_mode(site: TensorParallelSite, needs: dict[str, bool]) -> str:
         any(t.dtype != site.compute_dtype for t in (hidden, classifier)),
         hidden.device.type,
     )
-    return decide.mode(
-        None,
-        problem,
-        grad_filter=None,
-        reduction=site.reduction,
-        needs_grad=any(needs.values()),
-        needs_classifier=needs["grad_classifier"],
-        lse_has_grad=False,
-    )
+    return decide.mode(None, problem, needs, reduction=site.reduction)
