@@ -9,7 +9,8 @@ float32 (it matches float32 math to rounding).
   gradient to the row block's float32 accumulator, and writes (past the first row block:
   adds) its slab of the classifier's gradient.
 * Fast mode (``fast_forward``) needs a row's lse before any of its gradient, so it takes
-  chunks of whole rows.
+  chunks of whole rows (over a vocabulary shard: the shard's statistics, combined over the
+  ranks, give that lse).
 
 The tile's size: the memory budget (``policy.cpu_chunk_rows``) is a maximum, not a target. A
 CPU's GEMMs run at full speed only while their output stays in cache, so a lean tile holds at

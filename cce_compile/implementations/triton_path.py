@@ -12,7 +12,9 @@ Fast mode (``forward(fast=True)``), for each token chunk of ``n`` rows:
   logits' own memory -> d hidden[chunk] = grad @ classifier (written once) and d classifier +=
   grad.T @ hidden[chunk] into the classifier's gradient itself (its own dtype: float32 under
   AMP, bf16 for bf16 weights). The backward scales both by the upstream gradient in place.
-  Three GEMMs, the minimum, and no V x D tensor but the gradient.
+  Three GEMMs, the minimum, and no V x D tensor but the gradient. Over a vocabulary shard
+  (``SplitVocabulary``): ``chunk_row_stats``, the combine over the ranks, then
+  ``chunk_softmax_grad`` with the whole vocabulary's lse.
 Mixed precision (``compute_dtype`` rounding float32 inputs, autocast's form): hidden is rounded
 once; the classifier one slab of classes at a time in lean mode (no V x D copy), once in fast
 mode (cuBLAS needs it whole per chunk); classifier gradients are written in float32 directly.

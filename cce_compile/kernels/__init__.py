@@ -5,7 +5,8 @@
 * ``logit_grad``: recomputes a vocabulary slab of logits and writes d loss / d logits for it
   (lean backward; the two GEMMs that consume the slab run on cuBLAS).
 * ``chunk_softmax_grad``: turns a chunk of materialised logits into its gradient in place, with
-  per-row statistics (fast mode).
+  per-row statistics (fast mode); over a vocabulary shard, its two passes run apart
+  (``chunk_row_stats``, then the gradient with a given lse).
 * ``scale_cast``: (x * scale).to(dtype) in one pass: fast mode's backward scaling its float32
   unit-upstream gradients by the upstream gradient.
 

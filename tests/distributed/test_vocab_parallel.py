@@ -21,6 +21,7 @@ test id.
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 
 import launcher
@@ -175,27 +176,28 @@ def _run_case(name: str, rank: int, world: int, mesh) -> dict:
     return_lse = call.get("return_lse", False)
     settings = dict(skip_ignored=call.get("skip_ignored", True))
 
-    def step():
+    def step(targets):
         amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=call.get("amp", False))
         with cce_compile.config.override(**settings), amp:
-            return fn(*inputs, **shard_args, **options, return_lse=return_lse, mode=call["mode"])
+            out = fn(*inputs[:2], targets, inputs[3], **shard_args, **options,
+                     return_lse=return_lse, mode=call["mode"])  # fmt: skip
+        out = out if isinstance(out, tuple) else (out,)
+        return [o.full_tensor() if isinstance(o, DTensor) else o for o in out]
 
     with traced() as forward:
-        out = step()
-    ours = out if isinstance(out, tuple) else (out,)
+        ours = step(case.targets)
     gen = torch.Generator().manual_seed(7)
     upstream = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in ours]
-    ours = [o.full_tensor() if isinstance(o, DTensor) else o for o in ours]
     total = sum((o.double() * u).sum() for o, u in zip(ours, upstream))
     with traced() as backward:
         taken = _take_gradients(total, leaves, call.get("flow"))
-    if call.get("flow") == "accumulate":  # a second micro-batch: the same inputs, twice the sum
-        again = step()
-        again = again if isinstance(again, tuple) else (again,)
-        again = [o.full_tensor() if isinstance(o, DTensor) else o for o in again]
-        sum((o.double() * u).sum() for o, u in zip(again, upstream)).backward()
-    factor = 2.0 if call.get("flow") in ("accumulate", "retain") else 1.0
-    errors = _errors(case, call, leaves, taken, (ours, upstream, factor), (start, rows, rank))
+    # The targets of each micro-batch, and how many backward passes each had.
+    batches, passes = [case.targets], 2.0 if call.get("flow") == "retain" else 1.0
+    if call.get("flow") == "accumulate":  # a second micro-batch, its gradients added in .grad
+        batches.append(case.targets.roll(1, dims=1))
+        sum((o.double() * u).sum() for o, u in zip(step(batches[1]), upstream)).backward()
+    outputs = (ours, upstream, batches, passes)
+    errors = _errors(case, call, leaves, taken, outputs, (start, rows, rank))
     return dict(
         errors=errors,
         outputs=[o.detach().double().tolist() for o in ours],  # (a tensor cannot leave)
@@ -267,10 +269,11 @@ def _take_gradients(total, leaves: dict, flow: str | None) -> dict:
 
 def _errors(case, call: dict, leaves: dict, taken: dict, outputs, where) -> dict:
     """Relative errors (with their tolerances) of the loss, the lse and each gradient
-    against the oracle; under AMP the oracle computes on the bf16-rounded inputs."""
+    against the oracle (the gradients: the sum over the micro-batches' targets, each times the
+    backward passes through it); under AMP the oracle computes on the bf16-rounded inputs."""
     from torch.distributed.tensor import DTensor
 
-    ours, upstream, factor = outputs
+    ours, upstream, batches, passes = outputs
     start, rows, rank = where
     dtype = case.hidden.dtype
     if call.get("amp"):  # what the head computes on
@@ -289,11 +292,17 @@ def _errors(case, call: dict, leaves: dict, taken: dict, outputs, where) -> dict
     for label, a, e, scale in zip(("loss", "lse"), ours, expected, (loss_scale(case), 0.0)):
         errors[label] = (rel_error(a, e, scale), LOSS_RTOL[dtype])
     full = [t for t in case.leaves() if t.requires_grad]
-    want = torch.autograd.grad(
-        sum((e * u * factor).sum() for e, u in zip(expected, upstream)), full, allow_unused=True
-    )
-    up = [u * factor for u in upstream]
-    scales = gradient_scale(case, up[0], up[1] if return_lse else None, full)
+    up = [u * passes for u in upstream]
+    want, scales = [0.0] * len(full), [0.0] * len(full)
+    for targets in batches:  # the gradients (and the sizes of their terms) add up
+        batch = dataclasses.replace(case, targets=targets)
+        out = oracle(batch, return_lse=return_lse)
+        out = out if isinstance(out, tuple) else (out,)
+        total = sum((e * u).sum() for e, u in zip(out, up))
+        grads = torch.autograd.grad(total, full, allow_unused=True)
+        want = [w + g for w, g in zip(want, grads)]
+        more = gradient_scale(batch, up[0], up[1] if return_lse else None, full)
+        scales = [a + b for a, b in zip(scales, more)]
     wanted = dict(zip([id(t) for t in full], zip(want, scales)))
     by_full = {"hidden": case.hidden, "classifier": case.classifier, "bias": case.bias}
     for label, (leaf, _) in leaves.items():
