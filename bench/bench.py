@@ -173,6 +173,19 @@ def method_factories():
 
     methods["cce_auto_skip_any_size"] = lambda: auto_skip_at_any_size
 
+    def auto_whole_rows(h, c, t):
+        """The default with fast mode's chunks held as whole float32 rows (no slabs of classes:
+        policy.fast_slab_columns -> None), as before session 14."""
+        from cce_compile import policy
+
+        slabs, policy.fast_slab_columns = policy.fast_slab_columns, lambda problem: None
+        try:
+            return cce_compile.linear_cross_entropy(h, c, t)
+        finally:
+            policy.fast_slab_columns = slabs
+
+    methods["cce_auto_whole_rows"] = lambda: auto_whole_rows
+
     def auto_with_fast_rows(h, c, t, chunk_rows):
         """auto under the smallest budget that admits fast mode with ``chunk_rows``-row chunks
         (float32 logits and d hidden per row, and the rounded hidden under AMP): a point on fast

@@ -48,6 +48,13 @@ FAST_CHUNK_ROWS = 4096
 # FLOP per byte lean is the faster below D ~ 850: shape G (D = 512) ran fast at 1.38x
 # compile's time and lean at 1.10x, C (D = 2048) fast at 2.97 ms and lean at 3.72 (H100).
 MIN_FAST_DIM = 1024
+# Classes per slab of float32 logits in a fast-mode chunk whose gradient is bf16 / fp16
+# (kernels/slab_exp.py): the chunk holds 2 bytes a logit plus one n x S float32 slab, not 4
+# bytes a logit, so ~1.7x the rows fit a budget at V = 128k (fewer chunks: fewer re-reads of
+# the classifier's gradient). The slab's GEMMs (n x S x D) stay large, and at n ~ 1-2k rows the
+# slab (32-64 MB) is near the L2's size, where the GEMM's write may still be cached when
+# pass 1 reads it.
+FAST_SLAB_COLUMNS = 8192
 # The fewest rows per fast-mode chunk for auto to prefer fast over lean, for a float32
 # classifier gradient (AMP); half of it for a 2-byte one (module docstring).
 MIN_FAST_ROWS = 1024
@@ -110,11 +117,33 @@ def fast_fixed_bytes(problem: Problem) -> int:
     return problem.rows * problem.dim * problem.logit_bytes if problem.rounds_inputs else 0
 
 
-def fast_chunk_rows(problem: Problem, budget: int) -> int:
-    """Rows per fast-mode chunk within the budget (0 if not even one row fits): each row
-    holds its float32 logits and its float32 hidden gradient."""
+def fast_row_bytes(problem: Problem, slab_columns: int | None = None) -> int:
+    """A fast-mode chunk's bytes per row: its float32 logits and float32 hidden gradient;
+    over slabs of ``slab_columns`` classes (``fast_slab_columns``), its scaled exponentials in
+    the compute dtype, a slab of float32 logits, the block maxima and the running pair
+    (kernels/slab_exp.py) instead of the float32 logits."""
+    if slab_columns is None:
+        return (problem.vocab + problem.dim) * 4
+    from .kernels.slab_exp import slab_blocks  # the kernel owns its block size
+
+    row_state = slab_blocks(problem.vocab) + 2
+    return problem.vocab * problem.logit_bytes + (slab_columns + problem.dim + row_state) * 4
+
+
+def fast_slab_columns(problem: Problem) -> int | None:
+    """Classes per slab of float32 logits for a fast-mode chunk, or None for whole float32
+    rows: slabs pay where the gradient is narrower than float32 and the vocabulary spans more
+    than one slab (``FAST_SLAB_COLUMNS``)."""
+    if problem.logit_bytes >= 4 or problem.vocab <= FAST_SLAB_COLUMNS:
+        return None
+    return FAST_SLAB_COLUMNS
+
+
+def fast_chunk_rows(problem: Problem, budget: int, slab_columns: int | None = None) -> int:
+    """Rows per fast-mode chunk within the budget (0 if not even one row fits), at
+    ``fast_row_bytes`` a row."""
     left = budget - fast_fixed_bytes(problem)
-    per_row = (problem.vocab + problem.dim) * 4
+    per_row = fast_row_bytes(problem, slab_columns)
     return max(0, min(FAST_CHUNK_ROWS, problem.rows, left // per_row))
 
 
@@ -141,14 +170,17 @@ def fast_fits(problem: Problem, needs_classifier: bool, budget: int) -> bool:
     return chunk > 0 and chunk >= min(fast_floor_rows(problem, needs_classifier), problem.rows)
 
 
-def fast_run_rows(problem: Problem, needs_classifier: bool, budget: int) -> int:
-    """Rows per chunk of a fast-mode run: the budget's where its fixed bytes fit the budget,
-    at least the floor auto accepts; else (fast asked for over the budget) FAST_CHUNK_ROWS.
+def fast_run_rows(
+    problem: Problem, needs_classifier: bool, budget: int, slab_columns: int | None = None
+) -> int:
+    """Rows per chunk of a fast-mode run (over slabs of ``slab_columns`` classes, or whole
+    float32 rows): the budget's where its fixed bytes fit the budget, at least the floor auto
+    accepts; else (fast asked for over the budget) FAST_CHUNK_ROWS.
 
     The floor matters because auto chose on the whole call and the run sees a little less
     budget (compaction's copy of the kept rows): a chunk a few rows under the floor must stay
     a budget-sized chunk, not jump to FAST_CHUNK_ROWS' gigabytes."""
-    chunk = fast_chunk_rows(problem, budget)
+    chunk = fast_chunk_rows(problem, budget, slab_columns)
     if chunk > 0:
         chunk = max(chunk, fast_floor_rows(problem, needs_classifier))
     else:

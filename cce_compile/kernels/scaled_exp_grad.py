@@ -1,0 +1,142 @@
+"""Fast mode over slabs of classes, pass 2: scaled exponentials -> the logits' gradient.
+
+After ``slab_exp`` has run over every slab of a token chunk, each row holds e = exp(z - m_b)
+per class (the chunk's gradient buffer), m_b per block of classes, and its running max and
+sum of exp(z). One program per row computes lse = max + log(sum), then streams the row and
+writes, over e in place,
+
+    d loss / d y = (coef_p * p - coef_t * onehot - coef_w * w) * logit_scale,
+    p = e * exp(m_b - lse),  coef_p = p_base + p_per_lse * lse,
+
+except at the target, where p is exp(z_t - lse) from the float32 target logit: the one large
+entry, p_t - 1, is never built from a rounded e. Bytes per logit: one read and one write of
+the compute dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .slab_exp import SLAB_BLOCK, slab_blocks
+
+
+@triton.jit
+def _scaled_exp_grad_kernel(
+    exps,
+    block_max,
+    targets,
+    class_weights,
+    run_max,
+    run_sum,
+    target_logit,
+    p_base,
+    p_per_lse,
+    coef_t,
+    coef_w,
+    lse_out,
+    vocab,
+    stride_exps,
+    stride_block_max,
+    logit_scale,
+    HAS_WEIGHTS: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    exp_ptr = exps + row * stride_exps
+    max_ptr = block_max + row * stride_block_max
+    lse = tl.load(run_max + row) + tl.log(tl.load(run_sum + row))
+    tl.store(lse_out + row, lse)
+    tgt = tl.load(targets + row)
+    p_target = tl.exp(tl.load(target_logit + row) - lse)
+    c_p = tl.load(p_base + row)
+    if HAS_Z_LOSS:
+        c_p += tl.load(p_per_lse + row) * lse
+    c_t = tl.load(coef_t + row)
+    c_w = tl.load(coef_w + row)
+    active = (c_p != 0.0) | (c_t != 0.0) | (c_w != 0.0)
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, vocab, BLOCK):
+        cols = start + offs
+        ok = cols < vocab
+        e = tl.load(exp_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        p = e * tl.exp(tl.load(max_ptr + start // BLOCK) - lse)
+        is_target = cols == tgt
+        p = tl.where(is_target, p_target, p)
+        g = c_p * p - tl.where(is_target, c_t, 0.0)
+        if HAS_SMOOTHING:
+            if HAS_WEIGHTS:
+                g -= c_w * tl.load(class_weights + cols, mask=ok, other=0.0).to(tl.float32)
+            else:
+                g -= c_w
+        g = tl.where(active, g * logit_scale, 0.0)
+        tl.store(exp_ptr + cols, g.to(exps.dtype.element_ty), mask=ok)
+
+
+def scaled_exp_grad(
+    exps: torch.Tensor,
+    block_max: torch.Tensor,
+    targets: torch.Tensor,
+    running: tuple[torch.Tensor, torch.Tensor],
+    target_logit: torch.Tensor,
+    coefs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor],
+    lse_out: torch.Tensor,
+    *,
+    logit_scale: float,
+    smoothing: bool,
+    class_weights: torch.Tensor | None = None,
+    block: int = SLAB_BLOCK,
+    num_warps: int = 8,
+) -> None:
+    """Pass 2 over a chunk's n rows: ``exps`` (n, V), as ``slab_exp`` left it, becomes the
+    logits' gradient in place; each row's lse is written into ``lse_out``.
+
+    ``block_max`` (n, ceil(V / block)) float32 and ``running`` ((max, sum) of exp, (n,)
+    float32 each) as ``slab_exp`` wrote them with the same ``block``; ``target_logit`` (n,)
+    float32; ``targets`` (n,) int64, each row's target column (clamped for rows without a
+    loss: their coefficients are 0); ``coefs`` = (p_base, p_per_lse or None, coef_t, coef_w),
+    float32 (n,) each, as ``chunk_softmax_grad`` takes them."""
+    n_rows, vocab = exps.shape
+    if exps.stride(1) != 1:
+        raise ValueError("exps must be (n, V) with unit column stride")
+    blocks = slab_blocks(vocab, block)
+    if block_max.shape != (n_rows, blocks) or block_max.dtype != torch.float32:
+        raise ValueError(f"block_max must be float32 ({n_rows}, {blocks})")
+    if targets.shape != (n_rows,) or targets.dtype != torch.int64:
+        raise ValueError(f"targets must be int64 ({n_rows},)")
+    if class_weights is not None and class_weights.shape != (vocab,):
+        raise ValueError(f"class_weights must be ({vocab},)")
+    p_base, p_per_lse, coef_t, coef_w = coefs
+    vectors = (*running, target_logit, p_base, p_per_lse, coef_t, coef_w, lse_out)
+    for t in vectors:
+        if t is not None and (
+            t.shape != (n_rows,) or t.dtype != torch.float32 or not t.is_contiguous()
+        ):
+            raise ValueError(f"row vectors must be contiguous float32 ({n_rows},)")
+    if n_rows == 0 or vocab == 0:
+        return
+    _scaled_exp_grad_kernel[(n_rows,)](
+        exps,
+        block_max,
+        targets,
+        class_weights if class_weights is not None else p_base,
+        *running,
+        target_logit,
+        p_base,
+        p_per_lse if p_per_lse is not None else p_base,
+        coef_t,
+        coef_w,
+        lse_out,
+        vocab,
+        exps.stride(0),
+        block_max.stride(0),
+        float(logit_scale),
+        HAS_WEIGHTS=class_weights is not None,
+        HAS_SMOOTHING=smoothing,
+        HAS_Z_LOSS=p_per_lse is not None,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
