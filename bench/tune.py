@@ -23,7 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import cce_compile  # noqa: E402
 from bench import SHAPES, Scenario, cuda_time_ms, make_inputs  # noqa: E402
 from cce_compile import config, policy  # noqa: E402
-from cce_compile.implementations import triton_path  # noqa: E402
+from cce_compile.implementations import triton_path, triton_shared  # noqa: E402
 from cce_compile.kernels.common import TileConfig  # noqa: E402
 
 CANDIDATES = [
@@ -70,7 +70,7 @@ def tune_shape(name, reps, candidates=CANDIDATES, sweeps=True):
             f"-t{cfg.tiles_per_program}"
         )
         try:
-            with patch.object(triton_path, "_tile_config", lambda *args, cfg=cfg, **kwargs: cfg):
+            with patch.object(triton_shared, "tile_config", lambda *args, cfg=cfg, **kwargs: cfg):
                 fwd, _ = cuda_time_ms(lean_forward, reps, 2)
                 lean, _ = cuda_time_ms(lambda: step("lean"), max(3, reps // 2), 1)
             record(key, {"fwd_x_matmul": fwd / matmul, "lean_x_floor": lean / matmul / 3})

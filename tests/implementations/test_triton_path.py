@@ -204,9 +204,9 @@ def test_hidden_layouts_and_load_paths(monkeypatch, dim, tma, layout):
 )
 def test_gpu_tile_choice(dim, heavy, elem_bytes, expected):
     """Which tiles a GPU launch gets (a CUDA device object needs no GPU to exist)."""
-    from cce_compile.implementations import triton_path
+    from cce_compile.implementations import triton_shared
 
-    config = triton_path._tile_config(torch.device("cuda"), heavy, elem_bytes, dim=dim)
+    config = triton_shared.tile_config(torch.device("cuda"), heavy, elem_bytes, dim=dim)
     assert (config.block_n, config.block_v, config.num_warps) == expected
 
 

@@ -17,9 +17,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def small_config():
     """The tiles the op would use for these (float32) inputs on this device."""
-    from cce_compile.implementations import triton_path
+    from cce_compile.implementations import triton_shared
 
-    return triton_path._tile_config(torch.device(DEVICE), elem_bytes=4, dim=37)
+    return triton_shared.tile_config(torch.device(DEVICE), elem_bytes=4, dim=37)
 
 
 def logits64(hidden, classifier, bias, shift, scale, softcap):

@@ -1,0 +1,238 @@
+"""The CUDA implementation's fast mode (``forward(fast=True)``): Triton kernels plus cuBLAS.
+
+For each token chunk of ``n`` rows:
+  cuBLAS logits (n x V, float32 out of the accumulator: nothing rounded before the softmax) ->
+  ``chunk_softmax_grad`` writes their gradient, rounded once to the compute dtype, over the
+  logits' own memory -> d hidden[chunk] = grad @ classifier (written once) and d classifier +=
+  grad.T @ hidden[chunk] into the classifier's gradient itself (its own dtype: float32 under
+  AMP, bf16 for bf16 weights). The backward scales both by the upstream gradient in place
+  (``triton_shared.scale_``). Three GEMMs, the minimum, and no V x D tensor but the gradient.
+  Over a vocabulary shard (``SplitVocabulary``): ``chunk_row_stats``, the combine over the
+  ranks, then ``chunk_softmax_grad`` with the whole vocabulary's lse.
+Mixed precision (``compute_dtype`` rounding float32 inputs, autocast's form): hidden and the
+classifier are rounded once (cuBLAS needs the classifier whole per chunk); classifier
+gradients are written in float32 directly. The chunk size comes from ``policy`` (the memory
+budget). ``triton_path`` (lean mode) re-exports ``fast_forward``, the op's entry point here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import policy
+from ..kernels.chunk_softmax_grad import chunk_row_stats, chunk_softmax_grad
+from ..kernels.common import RowLayout, row_layout
+from ..loss_math import RowTargets, finish_loss, row_coefficient_parts
+from . import triton_shared as shared
+from .interface import ForwardOut, HeadInputs, Needs, RowStats, SplitVocabulary
+
+
+@dataclasses.dataclass
+class _PositionCoefficients:
+    """Fast mode's per-position inputs of ``chunk_softmax_grad`` for a unit upstream gradient:
+    each position's target (clamped: a valid class) and coefficients (0 where no loss row)."""
+
+    targets: torch.Tensor
+    p_base: torch.Tensor
+    p_per_lse: torch.Tensor | None
+    coef_t: torch.Tensor
+    coef_w: torch.Tensor
+
+    @staticmethod
+    def of(
+        head: HeadInputs, rows: RowTargets, layout: RowLayout, split: SplitVocabulary | None
+    ) -> _PositionCoefficients:
+        """``rows`` over the whole vocabulary (``split``: of which the head holds a shard; a
+        target on another shard becomes column -1, none of the shard's)."""
+        unit = torch.ones((), device=head.hidden.device)
+        vocab = head.vocab if split is None else split.size
+        parts = row_coefficient_parts(unit, None, rows, head.spec, vocab)
+        targets = rows.safe
+        if split is not None:
+            columns = rows.targets.long() - head.col_start
+            targets = torch.where((columns >= 0) & (columns < head.vocab), columns, -1)
+        to_positions = layout.rows_to_positions
+        return _PositionCoefficients(
+            to_positions(targets),
+            to_positions(parts.p_base),
+            None if parts.p_per_lse is None else to_positions(parts.p_per_lse),
+            to_positions(parts.coef_t),
+            to_positions(parts.coef_w),
+        )
+
+    def chunk(self, start: int, stop: int) -> dict:
+        """The positions [start, stop) as ``chunk_softmax_grad``'s keyword arguments."""
+        fields = dataclasses.fields(self)
+        return {f.name: shared.part(getattr(self, f.name), start, stop) for f in fields}
+
+
+class _FastBuffers:
+    """Fast mode's buffers, filled chunk by chunk of positions: the float32 logits and their
+    gradient over their own memory, each position's lse, target logit, wsum (and mean logit,
+    argmax where asked), and the gradients for a unit upstream gradient."""
+
+    def __init__(
+        self,
+        head: HeadInputs,
+        layout: RowLayout,
+        needs: Needs,
+        chunk: int,
+        work: torch.Tensor,
+        *,
+        entropy: bool,
+        argmax: bool,
+        split: bool = False,
+    ):
+        """Room for ``chunk`` positions' logits (``work``: hidden in the compute dtype);
+        ``split``: hidden's gradient is a shard's float32 partial sum."""
+        vocab, dim = head.classifier.shape
+        device, n_positions = work.device, layout.n_positions
+        # float32 logits; the gradient, rounded to the compute dtype, over their own memory.
+        self.logits = torch.empty(
+            (min(chunk, max(n_positions, 1)), vocab), dtype=torch.float32, device=device
+        )
+        work_dtype = shared.work_dtype(work)
+        self.grad = (
+            self.logits if work_dtype == torch.float32 else self.logits.view(work_dtype)[:, :vocab]
+        )
+        # In hidden's own dtype (the op's output); each chunk's GEMM writes float32 (``stage``)
+        # that is rounded once into it: a bf16 GEMM output lets cuBLAS reduce split-K partials
+        # in bf16 (allow_bf16_reduced_precision_reduction), which measurably loses accuracy
+        # against lean mode on a peaked softmax. No N x D float32 buffer.
+        hidden_dtype = torch.float32 if split else head.hidden.dtype
+        self.grad_positions = (
+            torch.empty((n_positions, dim), dtype=hidden_dtype, device=device)
+            if needs.hidden
+            else None
+        )
+        self.stage = None
+        if self.grad_positions is not None and hidden_dtype != torch.float32:
+            self.stage = torch.empty(
+                (self.logits.shape[0], dim), dtype=torch.float32, device=device
+            )
+        # The classifier's gradient itself, in its dtype, accumulates the chunks (no separate
+        # float32 buffer): float32 under AMP, exact; bf16 for bf16 weights, each chunk's float32
+        # product added in cuBLAS's epilogue and rounded once. Written, not accumulated, by the
+        # first chunk's GEMM (beta = 0): no zero fill, unless there is no chunk at all (no rows).
+        alloc = torch.empty if n_positions else torch.zeros
+        self.grad_classifier = (
+            alloc((vocab, dim), dtype=head.classifier.dtype, device=device)
+            if needs.classifier
+            else None
+        )
+        self.grad_bias = (
+            torch.zeros(vocab, dtype=torch.float32, device=device) if needs.bias else None
+        )
+        lse = torch.empty(n_positions, dtype=torch.float32, device=device)
+        wsum = torch.empty_like(lse) if head.spec.needs_wsum else None
+        self.stats = (lse, torch.empty_like(lse), wsum)  # lse, target logit, wsum
+        self.mean_z = torch.empty_like(lse) if entropy else None
+        self.argmax = torch.empty_like(lse, dtype=torch.int64) if argmax else None
+
+    def chunk_outputs(self, start: int, stop: int) -> dict:
+        """``chunk_softmax_grad``'s output arguments for the positions [start, stop)."""
+        return dict(
+            grad=self.grad[: stop - start],
+            out=tuple(shared.part(s, start, stop) for s in self.stats),
+            mean_z_out=shared.part(self.mean_z, start, stop),
+            argmax_out=shared.part(self.argmax, start, stop),
+        )
+
+    def add_gradients(self, start: int, stop: int, h: torch.Tensor, classifier) -> None:
+        """The chunk's shares of the gradients from its logits' gradient (``h``: its hidden
+        positions, ``classifier`` in the compute dtype)."""
+        grad = self.grad[: stop - start]
+        if self.stage is not None:
+            self.grad_positions[start:stop] = shared.matmul(
+                grad, classifier, out=self.stage[: stop - start]
+            )
+        elif self.grad_positions is not None:
+            shared.matmul(grad, classifier, out=self.grad_positions[start:stop])
+        if self.grad_classifier is not None:
+            shared.addmm_(self.grad_classifier, grad.t(), h, first=start == 0)
+        if self.grad_bias is not None:
+            self.grad_bias += grad.sum(0, dtype=torch.float32)
+
+    def result(
+        self, head: HeadInputs, rows: RowTargets, layout: RowLayout, vocab: int
+    ) -> ForwardOut:
+        """The loss over ``vocab`` classes, each row's statistics and the gradients in the
+        inputs' dtypes (hidden's in the buffer's: float32 for a shard's partial sum)."""
+        lse, target_logit, wsum = (shared.rows_of(layout, s) for s in self.stats)
+        out = ForwardOut(finish_loss(lse, target_logit, wsum, rows, head.spec, vocab), lse)
+        if self.mean_z is not None:
+            out.entropy = lse - layout.positions_to_rows(self.mean_z)
+        out.argmax = shared.rows_of(layout, self.argmax)
+        if self.grad_positions is not None:
+            out.grad_hidden = shared.hidden_grad(self.grad_positions, layout, head.hidden)
+        out.grad_classifier = self.grad_classifier
+        out.grad_bias = None if self.grad_bias is None else self.grad_bias.to(head.bias.dtype)
+        return out
+
+
+def fast_forward(
+    head: HeadInputs,
+    rows: RowTargets,
+    *,
+    needs: Needs,
+    entropy: bool = False,
+    argmax: bool = False,
+    split: SplitVocabulary | None = None,
+) -> ForwardOut:
+    """Fast mode: loss, lse and the gradients for a unit upstream gradient, computed in
+    chunks of positions (three GEMMs); with ``entropy`` / ``argmax`` also those of each row,
+    from the same pass over each chunk's logits; with ``split``, over a shard of a split
+    vocabulary (``interface.Implementation``)."""
+    if split is not None and (entropy or argmax):
+        raise ValueError("fast mode over a split vocabulary computes no entropy or argmax")
+    hidden, classifier, bias = (
+        shared.rounded(head.compute_dtype, t) for t in (head.hidden, head.classifier, head.bias)
+    )
+    layout = row_layout(hidden, head.spec.shift)
+    positions, n_positions = layout.positions(), layout.n_positions
+    problem = shared.problem(layout, head, hidden)
+    if split is not None:  # every rank's chunks alike: one collective each
+        problem = dataclasses.replace(problem, vocab=split.share)
+    chunk = policy.fast_run_rows(problem, needs.classifier, head.budget_bytes)
+    coefs = _PositionCoefficients.of(head, rows, layout, split)
+    out = _FastBuffers(
+        head, layout, needs, chunk, hidden, entropy=entropy, argmax=argmax, split=bool(split)
+    )
+    classifier_t = classifier.t()
+    for start in range(0, n_positions, chunk):
+        stop = min(start + chunk, n_positions)
+        h, logits = positions[start:stop], out.logits[: stop - start]
+        shared.matmul(h, classifier_t, out=logits)
+        kernel_args = dict(
+            class_weights=head.class_weights,
+            logit_scale=head.spec.logit_scale,
+            softcap=head.spec.softcap,
+            smoothing=head.spec.needs_wsum,
+            bias=bias,
+            **coefs.chunk(start, stop),
+        )
+        if split is None:
+            chunk_softmax_grad(logits, **kernel_args, **out.chunk_outputs(start, stop))
+        else:
+            _shard_chunk(logits, kernel_args, out, (start, stop), split)
+        out.add_gradients(start, stop, h, classifier)
+    return out.result(head, rows, layout, head.vocab if split is None else split.size)
+
+
+def _shard_chunk(
+    logits: torch.Tensor, kernel_args: dict, out: _FastBuffers, span: tuple, split
+) -> None:
+    """A chunk of a vocabulary shard's logits: its statistics over the shard (one read),
+    combined over the ranks, then its gradient with the whole vocabulary's lse."""
+    start, stop = span
+    stats = tuple(shared.part(s, start, stop) for s in out.stats)
+    coefs = ("p_base", "p_per_lse", "coef_t", "coef_w")
+    stat_args = {k: v for k, v in kernel_args.items() if k not in coefs}
+    chunk_row_stats(logits, **stat_args, out=stats)
+    whole = split.combine(RowStats(*stats))
+    for mine, combined in zip(stats, (whole.lse, whole.target_logit, whole.wsum)):
+        if mine is not None:
+            mine.copy_(combined)
+    chunk_softmax_grad(logits, **kernel_args, grad=out.grad[: stop - start], lse=stats[0])
