@@ -122,7 +122,7 @@ def scaled_exp_grad(
         exps,
         block_max,
         targets,
-        class_weights if class_weights is not None else p_base,
+        class_weights.contiguous() if class_weights is not None else p_base,
         *running,
         target_logit,
         p_base,

@@ -154,8 +154,8 @@ def slab_exp(
     if targets.shape != (n_rows,) or targets.dtype != torch.int64:
         raise ValueError(f"targets must be int64 ({n_rows},)")
     for name, vector in (("bias", bias), ("class_weights", class_weights)):
-        if vector is not None and (vector.shape != (vocab,) or not vector.is_contiguous()):
-            raise ValueError(f"{name} must be contiguous ({vocab},)")
+        if vector is not None and vector.shape != (vocab,):
+            raise ValueError(f"{name} must be ({vocab},)")
     target_logit, wsum = stats
     for t in (*running, target_logit, wsum):
         if t is not None and (t.shape != (n_rows,) or t.dtype != torch.float32):
@@ -167,9 +167,9 @@ def slab_exp(
         logits,
         exps,
         block_max,
-        bias if bias is not None else placeholder,
+        bias.contiguous() if bias is not None else placeholder,
         targets,
-        class_weights if class_weights is not None else placeholder,
+        class_weights.contiguous() if class_weights is not None else placeholder,
         *running,
         target_logit,
         wsum if wsum is not None else placeholder,

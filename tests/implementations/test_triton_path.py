@@ -125,6 +125,46 @@ def test_several_fast_chunks(monkeypatch):
     assert calls, "fast mode must size its chunks through policy.fast_run_rows"
 
 
+SLABBED_FAST = {
+    "every_option": dict(
+        bias=True, class_weights=True, label_smoothing=0.2, z_loss=1e-2, logit_scale=1.3
+    ),
+    "plain-shift": dict(shift=1),
+    "sum-ignored": dict(reduction="sum", ignored_fraction=0.5),
+}
+
+
+@pytest.mark.parametrize("options", SLABBED_FAST.values(), ids=SLABBED_FAST.keys())
+def test_fast_mode_over_slabs_of_classes(monkeypatch, options):
+    """Fast mode's chunks held as scaled exponentials, one slab of float32 logits at a time
+    (slab_exp, scaled_exp_grad): slabs of 16 classes over 45 (a partial last slab), chunks of
+    5 rows, against the oracle; and the slabbed path is the one that ran."""
+    from cce_compile import policy
+    from cce_compile.implementations import triton_fast
+
+    slabs = []
+    monkeypatch.setattr(policy, "fast_slab_columns", lambda problem: 16)
+    monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
+    real_slab_chunk = triton_fast._slab_chunk
+    monkeypatch.setattr(
+        triton_fast, "_slab_chunk", lambda *a: slabs.append(a[-1]) or real_slab_chunk(*a)
+    )
+    case = build_case(leading=(4, 7), dim=18, vocab=45, seed=13, **options)
+    run_and_compare(to_device(case), mode="fast")
+    assert slabs, "fast mode must run over slabs where policy.fast_slab_columns gives some"
+
+
+def test_fast_mode_keeps_whole_rows_where_slabs_cannot_serve(monkeypatch):
+    """softcap's derivative needs each logit, not its scaled exponential: whole float32 rows."""
+    from cce_compile import policy
+    from cce_compile.implementations import triton_fast
+
+    monkeypatch.setattr(policy, "fast_slab_columns", lambda problem: 16)
+    monkeypatch.setattr(triton_fast, "_slab_chunk", lambda *a: pytest.fail("slabs with softcap"))
+    case = build_case(leading=(2, 7), dim=18, vocab=45, softcap=5.0, seed=14)
+    run_and_compare(to_device(case), mode="fast")
+
+
 @pytest.mark.parametrize("mode", ["lean", "fast"])
 def test_float32_inputs_with_a_bf16_compute_dtype_in_slabs(monkeypatch, mode):
     """Autocast's form: float32 hidden and classifier rounded to bf16 inside the op, the
