@@ -173,18 +173,23 @@ def method_factories():
 
     methods["cce_auto_skip_any_size"] = lambda: auto_skip_at_any_size
 
-    def auto_whole_rows(h, c, t):
-        """The default with fast mode's chunks held as whole float32 rows (no slabs of classes:
-        policy.fast_slab_columns -> None), as before session 14."""
+    def auto_with_slabs(h, c, t, columns):
+        """The default with fast mode's chunks over slabs of ``columns`` classes, or as whole
+        float32 rows (None; as before session 14): policy.fast_slab_columns replaced."""
         from cce_compile import policy
 
-        slabs, policy.fast_slab_columns = policy.fast_slab_columns, lambda problem: None
+        slabs = policy.fast_slab_columns
+        policy.fast_slab_columns = lambda problem: None if columns is None else columns
         try:
             return cce_compile.linear_cross_entropy(h, c, t)
         finally:
             policy.fast_slab_columns = slabs
 
-    methods["cce_auto_whole_rows"] = lambda: auto_whole_rows
+    methods["cce_auto_whole_rows"] = lambda: lambda h, c, t: auto_with_slabs(h, c, t, None)
+    for columns in (4096, 16384, 32768):
+        methods[f"cce_auto_slab{columns}"] = lambda n=columns: (
+            lambda h, c, t: auto_with_slabs(h, c, t, n)
+        )
 
     def auto_with_fast_rows(h, c, t, chunk_rows):
         """auto under the smallest budget that admits fast mode with ``chunk_rows``-row chunks
