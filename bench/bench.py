@@ -179,7 +179,7 @@ def method_factories():
         from cce_compile import policy
 
         slabs = policy.fast_slab_columns
-        policy.fast_slab_columns = lambda problem: None if columns is None else columns
+        policy.fast_slab_columns = lambda *args: columns
         try:
             return cce_compile.linear_cross_entropy(h, c, t)
         finally:

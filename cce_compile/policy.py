@@ -50,11 +50,15 @@ FAST_CHUNK_ROWS = 4096
 MIN_FAST_DIM = 1024
 # Classes per slab of float32 logits in a fast-mode chunk whose gradient is bf16 / fp16
 # (kernels/slab_exp.py): the chunk holds 2 bytes a logit plus one n x S float32 slab, not 4
-# bytes a logit, so ~1.7x the rows fit a budget at V = 128k (fewer chunks: fewer re-reads of
-# the classifier's gradient). The slab's GEMMs (n x S x D) stay large, and at n ~ 1-2k rows the
-# slab (32-64 MB) is near the L2's size, where the GEMM's write may still be cached when
-# pass 1 reads it.
-FAST_SLAB_COLUMNS = 8192
+# bytes a logit, so ~1.8x the rows fit a budget at V = 128k: fewer chunks, fewer re-reads of
+# the classifier's gradient, for one more pass over the logits in the compute dtype. Measured
+# at E and B (H100, session 14, bench/results/loss_head.md): 4096 classes the fastest at E
+# (16k and 32k within 3%).
+FAST_SLAB_COLUMNS = 4096
+# Whole-row chunks at least this long keep whole rows: their re-reads of the classifier's
+# gradient already hide behind the GEMM (E, 757 whole rows: 1.15x compile's time whole, 1.08x
+# over slabs; B, 1514 whole rows: 1.01x whole, 1.04x over slabs; H100).
+SLABS_BELOW_ROWS = 1024
 # The fewest rows per fast-mode chunk for auto to prefer fast over lean, for a float32
 # classifier gradient (AMP); half of it for a 2-byte one (module docstring).
 MIN_FAST_ROWS = 1024
@@ -130,11 +134,14 @@ def fast_row_bytes(problem: Problem, slab_columns: int | None = None) -> int:
     return problem.vocab * problem.logit_bytes + (slab_columns + problem.dim + row_state) * 4
 
 
-def fast_slab_columns(problem: Problem) -> int | None:
+def fast_slab_columns(problem: Problem, needs_classifier: bool, budget: int) -> int | None:
     """Classes per slab of float32 logits for a fast-mode chunk, or None for whole float32
-    rows: slabs pay where the gradient is narrower than float32 and the vocabulary spans more
-    than one slab (``FAST_SLAB_COLUMNS``)."""
-    if problem.logit_bytes >= 4 or problem.vocab <= FAST_SLAB_COLUMNS:
+    rows. Slabs pay where they save chunks that each re-read the classifier's gradient: a
+    gradient narrower than float32 (else the chunk holds as much), a classifier gradient, a
+    vocabulary of several slabs, and whole-row chunks under ``SLABS_BELOW_ROWS``."""
+    if problem.logit_bytes >= 4 or not needs_classifier or problem.vocab <= FAST_SLAB_COLUMNS:
+        return None
+    if fast_chunk_rows(problem, budget) >= SLABS_BELOW_ROWS:
         return None
     return FAST_SLAB_COLUMNS
 

@@ -192,3 +192,23 @@ def test_a_narrow_head_on_a_gpu_takes_lean():
     g = Problem(rows=16384, vocab=131072, dim=512, logit_bytes=2)
     assert choose(problem=g) == "lean"
     assert choose(problem=dataclasses.replace(g, device_type="cpu")) == "fast"
+
+
+def test_fast_mode_takes_slabs_where_they_save_chunks():
+    """Slabs of classes (2 bytes a logit plus one float32 slab) where whole float32 rows give
+    short chunks, each re-reading the classifier's gradient: E at the default budget; not B
+    (whole-row chunks long enough), a frozen head, a float32 gradient or a small vocabulary."""
+    default = policy.budget_bytes(E, None, 0.2)
+    assert policy.fast_chunk_rows(E, default) < policy.SLABS_BELOW_ROWS
+    slab = policy.fast_slab_columns(E, True, default)
+    assert slab == policy.FAST_SLAB_COLUMNS
+    rows = policy.fast_chunk_rows(E, default, slab)
+    assert rows > 1.5 * policy.fast_chunk_rows(E, default)
+    assert rows * policy.fast_row_bytes(E, slab) <= default
+    b = dataclasses.replace(E, rows=2 * E.rows)
+    assert policy.fast_slab_columns(b, True, policy.budget_bytes(b, None, 0.2)) is None
+    assert policy.fast_slab_columns(E, False, default) is None
+    wide = dataclasses.replace(E, logit_bytes=4)
+    assert policy.fast_slab_columns(wide, True, default) is None
+    small = dataclasses.replace(E, vocab=policy.FAST_SLAB_COLUMNS)
+    assert policy.fast_slab_columns(small, True, default) is None

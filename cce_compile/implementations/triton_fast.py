@@ -9,8 +9,8 @@ For each token chunk of ``n`` rows:
   (``triton_shared.scale_``). Three GEMMs, the minimum, and no V x D tensor but the gradient.
   Over a vocabulary shard (``SplitVocabulary``): ``chunk_row_stats``, the combine over the
   ranks, then ``chunk_softmax_grad`` with the whole vocabulary's lse.
-Over slabs of classes (a bf16 / fp16 gradient, V over ``policy.FAST_SLAB_COLUMNS``; not with
-softcap, entropy, argmax or a shard): each slab's float32 logits (cuBLAS, n x S) ->
+Over slabs of classes (where ``policy.fast_slab_columns`` finds they pay; not with softcap,
+entropy, argmax or a shard): each slab's float32 logits (cuBLAS, n x S) ->
 ``slab_exp`` writes exp(z - block max) into the gradient buffer in the compute dtype; after the
 last slab ``scaled_exp_grad`` turns them into the gradient with the rows' lse. Two bytes a
 logit instead of four, so a budget holds ~1.7x the rows: fewer chunks, and fewer re-reads of
@@ -220,8 +220,9 @@ def fast_forward(
     # Slabs of classes: not where pass 2 would need more of each logit than its scaled
     # exponential (softcap's derivative, the entropy, the argmax) or the ranks' statistics.
     whole_rows = split is not None or entropy or argmax or bool(head.spec.softcap)
-    slab = None if whole_rows else policy.fast_slab_columns(problem)
-    chunk = policy.fast_run_rows(problem, needs.classifier, head.budget_bytes, slab)
+    budget = head.budget_bytes
+    slab = None if whole_rows else policy.fast_slab_columns(problem, needs.classifier, budget)
+    chunk = policy.fast_run_rows(problem, needs.classifier, budget, slab)
     coefs = _PositionCoefficients.of(head, rows, layout, split)
     out = _FastBuffers(
         head,

@@ -143,7 +143,7 @@ def test_fast_mode_over_slabs_of_classes(monkeypatch, options):
     from cce_compile.implementations import triton_fast
 
     slabs = []
-    monkeypatch.setattr(policy, "fast_slab_columns", lambda problem: 16)
+    monkeypatch.setattr(policy, "fast_slab_columns", lambda *args: 16)
     monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
     real_slab_chunk = triton_fast._slab_chunk
     monkeypatch.setattr(
@@ -159,7 +159,7 @@ def test_fast_mode_keeps_whole_rows_where_slabs_cannot_serve(monkeypatch):
     from cce_compile import policy
     from cce_compile.implementations import triton_fast
 
-    monkeypatch.setattr(policy, "fast_slab_columns", lambda problem: 16)
+    monkeypatch.setattr(policy, "fast_slab_columns", lambda *args: 16)
     monkeypatch.setattr(triton_fast, "_slab_chunk", lambda *a: pytest.fail("slabs with softcap"))
     case = build_case(leading=(2, 7), dim=18, vocab=45, softcap=5.0, seed=14)
     run_and_compare(to_device(case), mode="fast")
