@@ -186,7 +186,7 @@ def method_factories():
             policy.fast_slab_columns = slabs
 
     methods["cce_auto_whole_rows"] = lambda: lambda h, c, t: auto_with_slabs(h, c, t, None)
-    for columns in (4096, 16384, 32768):
+    for columns in (2048, 4096, 8192, 16384, 32768):
         methods[f"cce_auto_slab{columns}"] = lambda n=columns: (
             lambda h, c, t: auto_with_slabs(h, c, t, n)
         )
