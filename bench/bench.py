@@ -185,6 +185,16 @@ def method_factories():
         finally:
             policy.fast_slab_columns = slabs
 
+    def auto_with_budget(h, c, t, megabytes):
+        """The default under CCE_MEMORY_BUDGET_MB=megabytes (fewer, larger chunks and slabs on
+        small problems, where the default's 1/5 of the logits is a few tens of MB)."""
+        with cce_compile.config.override(memory_budget_mb=megabytes):
+            return cce_compile.linear_cross_entropy(h, c, t)
+
+    for megabytes in (128, 256, 512):
+        methods[f"cce_auto_budget{megabytes}"] = lambda mb=megabytes: (
+            lambda h, c, t: auto_with_budget(h, c, t, mb)
+        )
     methods["cce_auto_whole_rows"] = lambda: lambda h, c, t: auto_with_slabs(h, c, t, None)
     for columns in (2048, 4096, 8192, 16384, 32768):
         methods[f"cce_auto_slab{columns}"] = lambda n=columns: (
