@@ -203,8 +203,9 @@ def method_factories():
 
     def auto_with_fast_rows(h, c, t, chunk_rows):
         """auto under the smallest budget that admits fast mode with ``chunk_rows``-row chunks
-        (float32 logits and d hidden per row, and the rounded hidden under AMP): a point on fast
-        mode's memory/speed curve (policy.py)."""
+        of whole float32 rows (float32 logits and d hidden per row, and the rounded hidden under
+        AMP): a point on fast mode's memory/speed curve (policy.py). Where the policy takes
+        slabs of classes (short whole-row chunks) the same budget holds more rows."""
         vocab, dim = c.shape
         rows = h.numel() // dim
         rounded = rows * dim * 2 if torch.is_autocast_enabled("cuda") else 0
