@@ -31,10 +31,12 @@ SLAB_BLOCK = 2048
 
 @triton.jit
 def _merge(m_a, s_a, m_b, s_b):
-    """(max, sum of exp(z - max)) of two parts; a part that saw only -inf has sum 0."""
+    """(max, sum of exp(z - max)) of two parts; a part that saw only -inf has sum 0, which
+    it keeps (not exp(-inf - -inf)). A part whose max is -inf may hold NaN logits too (the max
+    skips NaN): its sum is NaN, and it must stay NaN, as PyTorch's loss does."""
     m = tl.maximum(m_a, m_b)
-    a = tl.where(m_a == float("-inf"), 0.0, s_a * tl.exp(m_a - m))
-    b = tl.where(m_b == float("-inf"), 0.0, s_b * tl.exp(m_b - m))
+    a = tl.where(m_a == float("-inf"), s_a, s_a * tl.exp(m_a - m))
+    b = tl.where(m_b == float("-inf"), s_b, s_b * tl.exp(m_b - m))
     return m, a + b
 
 
