@@ -154,6 +154,22 @@ def test_fast_mode_over_slabs_of_classes(monkeypatch, options):
     assert slabs, "fast mode must run over slabs where policy.fast_slab_columns gives some"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fast_mode_over_slabs_with_half_width_buffers(monkeypatch, dtype):
+    """On the GPU the scaled exponentials are rounded to bf16 / fp16 (the point of slabs); the
+    interpreter's buffers are float32 (``work_dtype``), so the end-to-end slab tests never see
+    that rounding: here the buffers take the inputs' dtype, as on the GPU."""
+    from cce_compile import policy
+    from cce_compile.implementations import triton_shared
+
+    monkeypatch.setattr(triton_shared, "work_dtype", lambda tensor: tensor.dtype)
+    monkeypatch.setattr(policy, "fast_slab_columns", lambda *args: 16)
+    monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
+    options = SLABBED_FAST["every_option"]
+    case = build_case(leading=(4, 7), dim=18, vocab=45, dtype=dtype, scale=4.0, seed=13, **options)
+    run_and_compare(to_device(case), mode="fast")
+
+
 def test_fast_mode_whole_rows_with_a_minus_inf_bias_before_finite_logits(monkeypatch):
     """V > 4096 (the softmax kernel's block): lane j sees column j, then j + 4096. A -inf bias
     at column j once made that lane's sum exp(-inf - -inf) = NaN, which the finite column
