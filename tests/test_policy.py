@@ -212,3 +212,25 @@ def test_fast_mode_takes_slabs_where_they_save_chunks():
     assert policy.fast_slab_columns(wide, True, default) is None
     small = dataclasses.replace(E, vocab=policy.FAST_SLAB_COLUMNS)
     assert policy.fast_slab_columns(small, True, default) is None
+
+
+@pytest.mark.parametrize("vocab, dim", [(4097, 4096), (5000, 2048), (6000, 1024), (8192, 4096)])
+def test_fast_mode_keeps_whole_rows_where_slabbed_rows_are_larger(vocab, dim):
+    """Just over one slab of classes, a slabbed row (2 bytes a logit plus a whole float32 slab)
+    takes more bytes than a whole float32 row: slabs would shorten the chunks (V = 6000, D =
+    1024, 8192 rows at the default budget: 604 rows a chunk, 14 chunks, against whole rows'
+    699 and 12), so fast mode keeps whole rows there."""
+    p = dataclasses.replace(E, vocab=vocab, dim=dim)
+    budget = policy.budget_bytes(p, None, 0.2)
+    assert policy.fast_chunk_rows(p, budget) < policy.SLABS_BELOW_ROWS  # short whole-row chunks
+    assert policy.fast_row_bytes(p, policy.FAST_SLAB_COLUMNS) >= policy.fast_row_bytes(p)
+    assert policy.fast_slab_columns(p, True, budget) is None
+
+
+def test_fast_mode_takes_slabs_once_slabbed_rows_are_smaller():
+    """A little over two slabs of classes (V = 2 S + a few hundred) slabbed rows are smaller."""
+    p = dataclasses.replace(E, vocab=2 * policy.FAST_SLAB_COLUMNS + 512)
+    budget = policy.budget_bytes(p, None, 0.2)
+    slab = policy.fast_slab_columns(p, True, budget)
+    assert slab == policy.FAST_SLAB_COLUMNS
+    assert policy.fast_chunk_rows(p, budget, slab) > policy.fast_chunk_rows(p, budget)

@@ -87,9 +87,11 @@ def _chunk_softmax_grad_kernel(
             new_max = tl.maximum(running_max, z)
             if NEEDS_ARGMAX:  # strictly greater: a lane keeps its first column of a tie
                 lane_arg = tl.where(z > running_max, cols, lane_arg)
-            # Lane-wise online softmax; a lane that has only seen -inf keeps a zero sum.
+            # Lane-wise online softmax; a lane that has only seen -inf keeps a zero sum, one
+            # that saw a NaN (which tl.maximum skips: its max can stay -inf) a NaN sum.
             scale_old = tl.where(running_max == float("-inf"), 0.0, tl.exp(running_max - new_max))
-            running_sum = running_sum * scale_old + tl.where(ok, tl.exp(z - new_max), 0.0)
+            e = tl.where(z == float("-inf"), 0.0, tl.exp(z - new_max))
+            running_sum = running_sum * scale_old + e
             running_max = new_max
             target_acc += tl.where(cols == tgt, z, 0.0)
             if HAS_SMOOTHING:
@@ -100,7 +102,7 @@ def _chunk_softmax_grad_kernel(
                 wsum_acc += tl.where(ok, w * z, 0.0)
         row_max = tl.max(running_max, axis=0)
         lane_sum = tl.where(
-            running_max == float("-inf"), 0.0, running_sum * tl.exp(running_max - row_max)
+            running_max == float("-inf"), running_sum, running_sum * tl.exp(running_max - row_max)
         )
         lse = row_max + tl.log(tl.sum(lane_sum, axis=0))
         tl.store(lse_row + row, lse)

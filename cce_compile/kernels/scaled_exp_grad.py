@@ -105,8 +105,8 @@ def scaled_exp_grad(
     blocks = slab_blocks(vocab, block)
     if block_max.shape != (n_rows, blocks) or block_max.dtype != torch.float32:
         raise ValueError(f"block_max must be float32 ({n_rows}, {blocks})")
-    if targets.shape != (n_rows,) or targets.dtype != torch.int64:
-        raise ValueError(f"targets must be int64 ({n_rows},)")
+    if targets.shape != (n_rows,) or targets.dtype != torch.int64 or not targets.is_contiguous():
+        raise ValueError(f"targets must be contiguous int64 ({n_rows},)")
     if class_weights is not None and class_weights.shape != (vocab,):
         raise ValueError(f"class_weights must be ({vocab},)")
     p_base, p_per_lse, coef_t, coef_w = coefs

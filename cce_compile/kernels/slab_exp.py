@@ -31,10 +31,12 @@ SLAB_BLOCK = 2048
 
 @triton.jit
 def _merge(m_a, s_a, m_b, s_b):
-    """(max, sum of exp(z - max)) of two parts; a part that saw only -inf has sum 0."""
+    """(max, sum of exp(z - max)) of two parts; a part that saw only -inf has sum 0, which
+    it keeps (not exp(-inf - -inf)). A part whose max is -inf may hold NaN logits too (the max
+    skips NaN): its sum is NaN, and it must stay NaN, as PyTorch's loss does."""
     m = tl.maximum(m_a, m_b)
-    a = tl.where(m_a == float("-inf"), 0.0, s_a * tl.exp(m_a - m))
-    b = tl.where(m_b == float("-inf"), 0.0, s_b * tl.exp(m_b - m))
+    a = tl.where(m_a == float("-inf"), s_a, s_a * tl.exp(m_a - m))
+    b = tl.where(m_b == float("-inf"), s_b, s_b * tl.exp(m_b - m))
     return m, a + b
 
 
@@ -151,15 +153,18 @@ def slab_exp(
         raise ValueError(f"block_max must be float32 ({n_rows}, {blocks})")
     if block_max.stride(1) != 1:
         raise ValueError("block_max needs a unit column stride")
-    if targets.shape != (n_rows,) or targets.dtype != torch.int64:
-        raise ValueError(f"targets must be int64 ({n_rows},)")
+    # (the program indexes every row vector by its row alone: a strided view would be misread)
+    if targets.shape != (n_rows,) or targets.dtype != torch.int64 or not targets.is_contiguous():
+        raise ValueError(f"targets must be contiguous int64 ({n_rows},)")
     for name, vector in (("bias", bias), ("class_weights", class_weights)):
         if vector is not None and vector.shape != (vocab,):
             raise ValueError(f"{name} must be ({vocab},)")
     target_logit, wsum = stats
     for t in (*running, target_logit, wsum):
-        if t is not None and (t.shape != (n_rows,) or t.dtype != torch.float32):
-            raise ValueError(f"running values and stats must be float32 ({n_rows},)")
+        if t is not None and (
+            t.shape != (n_rows,) or t.dtype != torch.float32 or not t.is_contiguous()
+        ):
+            raise ValueError(f"running values and stats must be contiguous float32 ({n_rows},)")
     if n_rows == 0 or slab_cols == 0:
         return
     placeholder = running[0]

@@ -154,6 +154,70 @@ def test_fast_mode_over_slabs_of_classes(monkeypatch, options):
     assert slabs, "fast mode must run over slabs where policy.fast_slab_columns gives some"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fast_mode_over_slabs_with_half_width_buffers(monkeypatch, dtype):
+    """On the GPU the scaled exponentials are rounded to bf16 / fp16 (the point of slabs); the
+    interpreter's buffers are float32 (``work_dtype``), so the end-to-end slab tests never see
+    that rounding: here the buffers take the inputs' dtype, as on the GPU."""
+    from cce_compile import policy
+    from cce_compile.implementations import triton_shared
+
+    monkeypatch.setattr(triton_shared, "work_dtype", lambda tensor: tensor.dtype)
+    monkeypatch.setattr(policy, "fast_slab_columns", lambda *args: 16)
+    monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
+    options = SLABBED_FAST["every_option"]
+    case = build_case(leading=(4, 7), dim=18, vocab=45, dtype=dtype, scale=4.0, seed=13, **options)
+    run_and_compare(to_device(case), mode="fast")
+
+
+def test_fast_mode_whole_rows_with_a_minus_inf_bias_before_finite_logits(monkeypatch):
+    """V > 4096 (the softmax kernel's block): lane j sees column j, then j + 4096. A -inf bias
+    at column j once made that lane's sum exp(-inf - -inf) = NaN, which the finite column
+    after it kept (NaN * 0): NaN loss and gradients where PyTorch's are finite."""
+    from cce_compile import policy
+
+    monkeypatch.setattr(policy, "fast_slab_columns", lambda *args: None)
+    case = build_case(leading=(1, 3), dim=8, vocab=4106, bias=True, ignored_fraction=0.0, seed=5)
+    case.bias[:5] = float("-inf")  # masked classes at the front: lanes 0-4 see them first
+    case.targets[case.targets < 5] = 100
+    run_and_compare(to_device(case), mode="fast")
+
+
+NAN_LOGITS = {
+    "nan-classifier-row": dict(),
+    "nan-in-a-minus-inf-block": dict(minus_inf_block=True),
+}
+
+
+@pytest.mark.parametrize("slab", [None, 16], ids=["whole-rows", "slabs"])
+@pytest.mark.parametrize("where", NAN_LOGITS.values(), ids=NAN_LOGITS.keys())
+def test_fast_mode_propagates_a_nan_logit(monkeypatch, slab, where):
+    """A NaN logit makes every row's loss NaN in PyTorch (it is in every row's lse). The
+    softmax's running max skips NaN (tl.maximum), so a lane or block whose max stayed -inf
+    (only NaN seen: a NaN classifier row with V <= the block; or NaN among -inf biases) had
+    its NaN sum replaced by 0: a finite loss. 'sum', no row targets the NaN class."""
+    from cce_compile import policy
+
+    monkeypatch.setattr(policy, "fast_slab_columns", lambda *args: slab)
+    monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
+    case = build_case(
+        leading=(2, 7), dim=12, vocab=45, bias=True, ignored_fraction=0.0, reduction="sum", seed=5
+    )
+    if where.get("minus_inf_block"):
+        case.bias[16:32] = float("-inf")
+        case.targets[(case.targets >= 16) & (case.targets < 32)] = 0
+    case.classifier[20, 3] = float("nan")
+    case.targets[case.targets == 20] = 0
+    case = to_device(case)
+    for leaf in case.leaves():  # fast mode's forward is the gradients' pass
+        leaf.requires_grad_()
+    loss = cce_compile.linear_cross_entropy(
+        case.hidden, case.classifier, case.targets, case.bias, mode="fast", **case.options()
+    )
+    assert torch.isnan(oracle(case))
+    assert torch.isnan(loss), f"loss {loss.item()} where PyTorch's is NaN"
+
+
 def test_fast_mode_keeps_whole_rows_where_slabs_cannot_serve(monkeypatch):
     """softcap's derivative needs each logit, not its scaled exponential: whole float32 rows."""
     from cce_compile import policy

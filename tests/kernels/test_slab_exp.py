@@ -148,3 +148,73 @@ def test_slab_exp_rejects_a_slab_off_its_blocks():
             logit_scale=1.0,
             block=BLOCK,
         )
+
+
+def _slab_args(n, vocab):
+    from cce_compile.kernels.slab_exp import slab_blocks
+
+    zeros = lambda *shape, dtype=torch.float32: torch.zeros(shape, dtype=dtype, device=DEVICE)  # noqa: E731
+    return dict(
+        exps=zeros(n, vocab),
+        block_max=zeros(n, slab_blocks(vocab, BLOCK)),
+        targets=zeros(n, dtype=torch.int64),
+        running=(zeros(n), zeros(n)),
+        stats=(zeros(n), None),
+    )
+
+
+def _every_other(t):
+    """A strided (n,) view with t's values: what a program indexing by row would misread."""
+    wide = torch.zeros(2 * t.shape[0], dtype=t.dtype, device=t.device)
+    wide[::2] = t
+    return wide[::2]
+
+
+@pytest.mark.parametrize("vector", ["targets", "running_max", "target_logit"])
+def test_slab_exp_rejects_strided_row_vectors(vector):
+    """The program reads row i's target, running pair and stats at offset i: a strided view
+    (targets[::2]) was read as its storage's first n elements, silently wrong."""
+    from cce_compile.kernels.slab_exp import slab_exp
+
+    n, vocab = 4, 32
+    args = _slab_args(n, vocab)
+    if vector == "targets":
+        args["targets"] = _every_other(torch.tensor([3, 7, 20, 31], device=DEVICE))
+    elif vector == "running_max":
+        args["running"] = (_every_other(args["running"][0]), args["running"][1])
+    else:
+        args["stats"] = (_every_other(args["stats"][0]), None)
+    with pytest.raises(ValueError, match="contiguous"):
+        slab_exp(
+            torch.zeros((n, vocab), device=DEVICE),
+            args["exps"],
+            args["block_max"],
+            args["targets"],
+            args["running"],
+            args["stats"],
+            col_start=0,
+            first=True,
+            logit_scale=1.0,
+            block=BLOCK,
+        )
+
+
+def test_scaled_exp_grad_rejects_strided_targets():
+    from cce_compile.kernels.scaled_exp_grad import scaled_exp_grad
+
+    n, vocab = 4, 32
+    args = _slab_args(n, vocab)
+    row = lambda: torch.zeros(n, device=DEVICE)  # noqa: E731
+    with pytest.raises(ValueError, match="contiguous"):
+        scaled_exp_grad(
+            args["exps"],
+            args["block_max"],
+            _every_other(torch.tensor([3, 7, 20, 31], device=DEVICE)),
+            args["running"],
+            row(),
+            (row(), None, row(), row()),
+            row(),
+            logit_scale=1.0,
+            smoothing=False,
+            block=BLOCK,
+        )
