@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cap_logits
+from .common import cap_logits, row_coefficients
 
 
 @triton.jit
@@ -114,12 +114,9 @@ def _chunk_softmax_grad_kernel(
             tl.store(argmax_out + row, tl.min(first, axis=0).to(tl.int64))
 
     if not STATS_ONLY:
-        c_p = tl.load(p_base + row)
-        if HAS_Z_LOSS:
-            c_p += tl.load(p_per_lse + row) * lse
-        c_t = tl.load(coef_t + row)
-        c_w = tl.load(coef_w + row)
-        active = (c_p != 0.0) | (c_t != 0.0) | (c_w != 0.0)
+        c_p, c_t, c_w, active = row_coefficients(
+            row, lse, p_base, p_per_lse, coef_t, coef_w, HAS_Z_LOSS
+        )
         mean_z_acc = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, vocab, BLOCK):
             cols = start + offs

@@ -202,6 +202,18 @@ def cap_logits(y, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def row_coefficients(row, lse, p_base, p_per_lse, coef_t, coef_w, HAS_Z_LOSS: tl.constexpr):
+    """A row's (coef_p, coef_t, coef_w, active) for fast mode's gradient passes: coef_p =
+    p_base + p_per_lse * lse (z-loss), and whether any is non-zero (a row with a loss)."""
+    c_p = tl.load(p_base + row)
+    if HAS_Z_LOSS:
+        c_p += tl.load(p_per_lse + row) * lse
+    c_t = tl.load(coef_t + row)
+    c_w = tl.load(coef_w + row)
+    return c_p, c_t, c_w, (c_p != 0.0) | (c_t != 0.0) | (c_w != 0.0)
+
+
+@triton.jit
 def capped_logits_tile(
     hidden,
     classifier,

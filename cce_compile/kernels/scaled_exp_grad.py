@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import row_coefficients
 from .slab_exp import SLAB_BLOCK, slab_blocks
 
 
@@ -52,12 +53,9 @@ def _scaled_exp_grad_kernel(
     tl.store(lse_out + row, lse)
     tgt = tl.load(targets + row)
     p_target = tl.exp(tl.load(target_logit + row) - lse)
-    c_p = tl.load(p_base + row)
-    if HAS_Z_LOSS:
-        c_p += tl.load(p_per_lse + row) * lse
-    c_t = tl.load(coef_t + row)
-    c_w = tl.load(coef_w + row)
-    active = (c_p != 0.0) | (c_t != 0.0) | (c_w != 0.0)
+    c_p, c_t, c_w, active = row_coefficients(
+        row, lse, p_base, p_per_lse, coef_t, coef_w, HAS_Z_LOSS
+    )
     offs = tl.arange(0, BLOCK)
     for start in range(0, vocab, BLOCK):
         cols = start + offs
