@@ -136,19 +136,11 @@ def amp_reference_inputs(hidden, classifier, scenario: Scenario):
     return hidden, classifier
 
 
-def method_factories():
-    """name -> (callable(hidden, classifier, targets) -> loss, or None when unavailable)."""
+def _cce_methods():
+    """cce_compile's modes and the default under other settings (budgets, slabs, skipping)."""
     import cce_compile
 
     methods = {}
-    methods["torch_eager"] = lambda: eager_loss
-    methods["torch_compile"] = lambda: torch.compile(eager_loss, dynamic=False)
-
-    def autochunk():
-        compiled = torch.compile(eager_loss, dynamic=False, options={"auto_chunker.enable": True})
-        return compiled
-
-    methods["compile_autochunk"] = autochunk
     for mode in ("lean", "fast", "auto"):
         methods[f"cce_{mode}"] = lambda mode=mode: (
             lambda h, c, t: cce_compile.linear_cross_entropy(h, c, t, mode=mode)
@@ -218,6 +210,13 @@ def method_factories():
             lambda h, c, t: auto_with_fast_rows(h, c, t, n)
         )
 
+    return methods
+
+
+def _peer_methods():
+    """Apple's CCE, Liger, TRL's fused head and quack, each imported when its method runs."""
+    methods = {}
+
     def apple(filter_eps):
         from cut_cross_entropy import linear_cross_entropy
 
@@ -267,6 +266,23 @@ def method_factories():
         return lambda h, c, t: chunked_linear_cross_entropy(h, c, t)
 
     methods["quack"] = quack
+    return methods
+
+
+def method_factories():
+    """name -> (callable(hidden, classifier, targets) -> loss, or None when unavailable)."""
+
+    methods = {}
+    methods["torch_eager"] = lambda: eager_loss
+    methods["torch_compile"] = lambda: torch.compile(eager_loss, dynamic=False)
+
+    def autochunk():
+        compiled = torch.compile(eager_loss, dynamic=False, options={"auto_chunker.enable": True})
+        return compiled
+
+    methods["compile_autochunk"] = autochunk
+    methods.update(_cce_methods())
+    methods.update(_peer_methods())
     if hasattr(F, "linear_cross_entropy"):
         methods["torch_linear_cross_entropy"] = lambda: (
             lambda h, c, t: F.linear_cross_entropy(h, c, t)
