@@ -149,12 +149,16 @@ def _lse_forward_kernel(
                 tile_arg = tl.argmax(z, axis=1, tie_break_left=True).to(tl.int32)
                 tile_arg += first_col + col_start
                 run_arg = tl.where(tile_max > run_max, tile_arg, run_arg)
-            # NaN logits make the sum NaN, so NaN propagates to the lse as in PyTorch.
-            rescale = tl.exp(run_max - new_max)
-            exp_z = tl.exp(z - new_max[:, None])
+            # NaN logits make the sum NaN, so NaN propagates to the lse as in PyTorch. A row
+            # that has seen only -inf (a program whose classes a -inf bias masks out) exponentiates
+            # against 0, not -inf: exp(-inf - 0) = 0 where exp(-inf - -inf) would be NaN, and its
+            # partial lse is -inf, as torch.logsumexp's. (A per-row guard: nothing per logit.)
+            offset = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp(run_max - offset)
+            exp_z = tl.exp(z - offset[:, None])
             run_sum = run_sum * rescale + tl.sum(exp_z, axis=1)
-            if NEEDS_MEAN_Z:
-                weighted = tl.where(col_ok[None, :], exp_z * z, 0.0)
+            if NEEDS_MEAN_Z:  # p z -> 0 as z -> -inf
+                weighted = tl.where(z == float("-inf"), 0.0, exp_z * z)
                 run_zsum = run_zsum * rescale + tl.sum(weighted, axis=1)
             run_max = new_max
             # The tile holds the row's target iff it falls in [first_col, first_col + BLOCK_V):

@@ -125,6 +125,26 @@ def test_several_fast_chunks(monkeypatch):
     assert calls, "fast mode must size its chunks through policy.fast_run_rows"
 
 
+@pytest.mark.parametrize("mode", ["lean", "fast"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1], ids=["plain", "smoothing"])
+def test_a_whole_program_of_classes_masked_by_a_minus_inf_bias(mode, smoothing):
+    """Classes [256, 512) masked out with a -inf bias: every program (16 or 256 classes on
+    the interpreter's or a GPU's tiles) that holds only them must add nothing to the lse, not
+    exp(-inf - -inf) = NaN; the loss and gradients are finite, as PyTorch's."""
+    case = build_case(leading=(2, 5), dim=16, vocab=600, bias=True, label_smoothing=smoothing)
+    case.bias[256:512] = float("-inf")
+    masked = (case.targets >= 256) & (case.targets < 512)
+    case.targets[masked] = case.targets[masked] - 256  # targets on classes that count
+    if smoothing:  # smoothing spreads mass over the masked classes: an infinite loss
+        loss = cce_compile.linear_cross_entropy(
+            to_device(case).hidden, case.classifier, case.targets, case.bias,
+            label_smoothing=smoothing, mode=mode,
+        )  # fmt: skip
+        assert loss.item() == float("inf"), loss
+    else:
+        run_and_compare(to_device(case), mode=mode)
+
+
 SLABBED_FAST = {
     "every_option": dict(
         bias=True, class_weights=True, label_smoothing=0.2, z_loss=1e-2, logit_scale=1.3
