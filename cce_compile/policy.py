@@ -137,11 +137,11 @@ def fast_row_bytes(problem: Problem, slab_columns: int | None = None) -> int:
 def fast_slab_columns(problem: Problem, needs_classifier: bool, budget: int) -> int | None:
     """Classes per slab of float32 logits for a fast-mode chunk, or None for whole float32
     rows. Slabs pay where they save chunks that each re-read the classifier's gradient: a
-    gradient narrower than float32 (else the chunk holds as much), a classifier gradient, a
-    vocabulary of several slabs, a row that takes fewer bytes over slabs than whole (the slab
-    itself is S float32 logits: below V ~ 2 S, e.g. 4096 < V < ~8200, slabbed rows are the
-    larger, their chunks the shorter), and whole-row chunks under ``SLABS_BELOW_ROWS``."""
-    if problem.logit_bytes >= 4 or not needs_classifier or problem.vocab <= FAST_SLAB_COLUMNS:
+    classifier gradient, a row that takes fewer bytes over slabs than whole, and whole-row
+    chunks under ``SLABS_BELOW_ROWS``. The byte count rules out a float32 gradient (a slabbed
+    row then holds as much as a whole one, plus the slab) and vocabularies under ~2 S (the
+    slab itself is S float32 logits: at 4096 < V < ~8200 slabbed chunks are the shorter)."""
+    if not needs_classifier:
         return None
     if fast_row_bytes(problem, FAST_SLAB_COLUMNS) >= fast_row_bytes(problem):
         return None

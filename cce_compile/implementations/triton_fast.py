@@ -248,14 +248,13 @@ def fast_forward(
         )
         if slab is not None:
             _slab_chunk(h, classifier, kernel_args, out, (start, stop))
-            out.add_gradients(start, stop, h, classifier)
-            continue
-        logits = out.logits[: stop - start]
-        shared.matmul(h, classifier.t(), out=logits)
-        if split is None:
-            chunk_softmax_grad(logits, **kernel_args, **out.chunk_outputs(start, stop))
         else:
-            _shard_chunk(logits, kernel_args, out, (start, stop), split)
+            logits = out.logits[: stop - start]
+            shared.matmul(h, classifier.t(), out=logits)
+            if split is None:
+                chunk_softmax_grad(logits, **kernel_args, **out.chunk_outputs(start, stop))
+            else:
+                _shard_chunk(logits, kernel_args, out, (start, stop), split)
         out.add_gradients(start, stop, h, classifier)
     return out.result(head, rows, layout, head.vocab if split is None else split.size)
 
