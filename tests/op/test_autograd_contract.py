@@ -214,3 +214,38 @@ def test_hook_on_the_classifier_sees_and_replaces_the_gradient(run):
     assert len(seen) == 1
     _check("seen by the hook", seen[0], want, run.precision)
     _check("classifier", classifier.grad, 2 * want, run.precision)
+
+
+@pytest.mark.parametrize(
+    "compiled",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="compiled fast mode: the backward reads only the forward's gradient "
+                "buffers, so AOTAutograd saves neither hidden nor the classifier and no version "
+                "counter is checked; an in-place write between forward and backward is not "
+                "refused (PyTorch's compiled linear + cross_entropy refuses it)",
+            ),
+        ),
+    ],
+    ids=["eager", "compiled"],
+)
+@pytest.mark.parametrize("written", ["hidden", "classifier"])
+def test_fast_mode_refuses_an_in_place_write_before_backward(compiled, written):
+    """As PyTorch: an input changed in place after the loss and before its backward is a
+    version-counter error, never the gradient of values the loss no longer had."""
+    hidden, classifier, targets = _leaves("fp32")
+    fn = _eager_loss("fast")
+    if compiled:
+        torch._dynamo.reset()
+        _COMPILED.clear()
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    h, c = hidden * 1.0, classifier * 1.0  # non-leaves: writable in place
+    loss = fn(h, c, targets)
+    with torch.no_grad():
+        (h if written == "hidden" else c).mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
