@@ -165,17 +165,30 @@ def _cce_methods():
 
     methods["cce_auto_skip_any_size"] = lambda: auto_skip_at_any_size
 
-    def auto_with_slabs(h, c, t, columns):
-        """The default with fast mode's chunks over slabs of ``columns`` classes, or as whole
-        float32 rows (None; as before session 14): policy.fast_slab_columns replaced."""
+    def auto_with_policy(h, c, t, **rules):
+        """The default with some of ``policy``'s functions replaced by constants."""
         from cce_compile import policy
 
-        slabs = policy.fast_slab_columns
-        policy.fast_slab_columns = lambda *args: columns
+        saved = {name: getattr(policy, name) for name in rules}
+        for name, value in rules.items():
+            setattr(policy, name, lambda *args, value=value: value)
         try:
             return cce_compile.linear_cross_entropy(h, c, t)
         finally:
-            policy.fast_slab_columns = slabs
+            for name, rule in saved.items():
+                setattr(policy, name, rule)
+
+    def auto_with_slabs(h, c, t, columns):
+        """The default with fast mode's chunks over slabs of ``columns`` classes, or as whole
+        float32 rows (None; as before session 14), not from the GEMM's epilogue."""
+        return auto_with_policy(h, c, t, fast_fuses_exp=False, fast_slab_columns=columns)
+
+    def auto_unfused(h, c, t):
+        """The default as in session 14: exponentials over slabs where the policy takes slabs,
+        not from the logits GEMM's epilogue (session 15)."""
+        return auto_with_policy(h, c, t, fast_fuses_exp=False)
+
+    methods["cce_auto_unfused"] = lambda: auto_unfused
 
     def auto_with_budget(h, c, t, megabytes):
         """The default under CCE_MEMORY_BUDGET_MB=megabytes (fewer, larger chunks and slabs on

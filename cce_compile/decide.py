@@ -356,11 +356,17 @@ def mode(
     reduction: str,
     grad_filter: float | None = None,
     lse_has_grad: bool = False,
+    softcap: bool = False,
+    entropy: bool = False,
+    argmax: bool = False,
+    split: bool = False,
 ) -> str:
     """The concrete mode ('lean' or 'fast') of a call: ``requested`` (None: the configured
     mode; a requested mode is explicit: 'fast' where it cannot apply is an error), lean under
     gradient filtering, else the policy's choice for the gradients ``needs`` asks for (the op's
-    grad flags, ``gradients_asked``)."""
+    grad flags, ``gradients_asked``); ``softcap`` ... ``split``: what a fast run would compute
+    (a softcap, the entropy, the argmax, over a vocabulary shard), which sets its chunks'
+    form (``policy.fast_needs_whole_rows``)."""
     explicit = requested is not None
     requested = "lean" if grad_filter is not None else requested or config.get().mode
     return policy.choose_mode(
@@ -372,6 +378,9 @@ def mode(
         problem=problem,
         budget=budget_bytes(problem),
         explicit=explicit,
+        whole_rows=policy.fast_needs_whole_rows(
+            softcap=softcap, entropy=entropy, argmax=argmax, split=split
+        ),
     )
 
 

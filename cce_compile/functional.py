@@ -146,6 +146,9 @@ def _call_op(tensors, compute_dtype, spec: LossSpec, wanted: _Wanted, mode, grad
         reduction=spec.reduction,
         grad_filter=grad_filter,
         lse_has_grad=wanted.lse and torch.is_grad_enabled(),
+        softcap=bool(spec.softcap),
+        entropy=wanted.entropy,
+        argmax=wanted.argmax,
     )
     output = torch.ops.cce.linear_cross_entropy(
         *FORWARD.build(

@@ -121,11 +121,27 @@ def fast_fixed_bytes(problem: Problem) -> int:
     return problem.rows * problem.dim * problem.logit_bytes if problem.rounds_inputs else 0
 
 
-def fast_row_bytes(problem: Problem, slab_columns: int | None = None) -> int:
+def fast_needs_whole_rows(*, softcap: bool, entropy: bool, argmax: bool, split: bool) -> bool:
+    """Does a fast-mode chunk need its float32 logits, not only their scaled exponentials?
+    For softcap's derivative, the entropy, the argmax, or a vocabulary shard's statistics."""
+    return softcap or entropy or argmax or split
+
+
+def fast_fuses_exp(problem: Problem, whole_rows: bool) -> bool:
+    """Does a fast-mode chunk take its scaled exponentials from the logits GEMM's epilogue
+    (kernels/logits_exp.py)? Unless it needs whole rows (``fast_needs_whole_rows``), where its
+    gradient is bf16 / fp16: a float32 one gains no bytes."""
+    return problem.logit_bytes == 2 and not whole_rows
+
+
+def fast_row_bytes(problem: Problem, slab_columns: int | None = None, fused: bool = False) -> int:
     """A fast-mode chunk's bytes per row: its float32 logits and float32 hidden gradient;
     over slabs of ``slab_columns`` classes (``fast_slab_columns``), its scaled exponentials in
     the compute dtype, a slab of float32 logits, the block maxima and the running pair
-    (kernels/slab_exp.py) instead of the float32 logits."""
+    (kernels/slab_exp.py) instead of the float32 logits; ``fused`` (``fast_fuses_exp``), the
+    scaled exponentials with at most 3 float32 values per 128 classes (tile maxima, partials)."""
+    if fused:
+        return problem.vocab * problem.logit_bytes + (problem.vocab * 3) // 32 + 8 + problem.dim * 4
     if slab_columns is None:
         return (problem.vocab + problem.dim) * 4
     from .kernels.slab_exp import slab_blocks  # the kernel owns its block size
@@ -150,11 +166,13 @@ def fast_slab_columns(problem: Problem, needs_classifier: bool, budget: int) -> 
     return FAST_SLAB_COLUMNS
 
 
-def fast_chunk_rows(problem: Problem, budget: int, slab_columns: int | None = None) -> int:
+def fast_chunk_rows(
+    problem: Problem, budget: int, slab_columns: int | None = None, fused: bool = False
+) -> int:
     """Rows per fast-mode chunk within the budget (0 if not even one row fits), at
     ``fast_row_bytes`` a row."""
     left = budget - fast_fixed_bytes(problem)
-    per_row = fast_row_bytes(problem, slab_columns)
+    per_row = fast_row_bytes(problem, slab_columns, fused)
     return max(0, min(FAST_CHUNK_ROWS, problem.rows, left // per_row))
 
 
@@ -172,17 +190,21 @@ def fast_floor_rows(problem: Problem, needs_classifier: bool) -> int:
     return MIN_FAST_ROWS * gradient_bytes // 4
 
 
-def fast_fits(problem: Problem, needs_classifier: bool, budget: int) -> bool:
+def fast_fits(problem: Problem, needs_classifier: bool, budget: int, fused: bool = False) -> bool:
     """Does a fast-mode chunk that auto would accept fit the budget (module docstring), on a
     GPU at a hidden size where fast's passes over the logits cost less than lean's GEMM?"""
     if problem.device_type == "cuda" and problem.dim < MIN_FAST_DIM:
         return False
-    chunk = fast_chunk_rows(problem, budget)
+    chunk = fast_chunk_rows(problem, budget, None, fused)
     return chunk > 0 and chunk >= min(fast_floor_rows(problem, needs_classifier), problem.rows)
 
 
 def fast_run_rows(
-    problem: Problem, needs_classifier: bool, budget: int, slab_columns: int | None = None
+    problem: Problem,
+    needs_classifier: bool,
+    budget: int,
+    slab_columns: int | None = None,
+    fused: bool = False,
 ) -> int:
     """Rows per chunk of a fast-mode run (over slabs of ``slab_columns`` classes, or whole
     float32 rows): the budget's where its fixed bytes fit the budget, at least the floor auto
@@ -191,7 +213,7 @@ def fast_run_rows(
     The floor matters because auto chose on the whole call and the run sees a little less
     budget (compaction's copy of the kept rows): a chunk a few rows under the floor must stay
     a budget-sized chunk, not jump to FAST_CHUNK_ROWS' gigabytes."""
-    chunk = fast_chunk_rows(problem, budget, slab_columns)
+    chunk = fast_chunk_rows(problem, budget, slab_columns, fused)
     if chunk > 0:
         chunk = max(chunk, fast_floor_rows(problem, needs_classifier))
     else:
@@ -238,11 +260,13 @@ def choose_mode(
     problem: Problem,
     budget: int,
     explicit: bool = False,
+    whole_rows: bool = False,
 ) -> str:
     """The concrete mode ('lean' or 'fast') for one call.
 
     ``explicit`` marks a mode the caller passed as an argument: asking for 'fast' where it
-    cannot apply is then an error rather than a quiet fall-back to 'lean'.
+    cannot apply is then an error rather than a quiet fall-back to 'lean'. ``whole_rows``:
+    a fast run would need whole float32 rows (``fast_needs_whole_rows``).
     """
     if requested == "fast" and reduction == "none":
         if explicit:
@@ -253,4 +277,5 @@ def choose_mode(
         return requested
     if not needs_grad or reduction == "none" or lse_has_grad:
         return "lean"
-    return "fast" if fast_fits(problem, needs_classifier, budget) else "lean"
+    fused = fast_fuses_exp(problem, whole_rows)
+    return "fast" if fast_fits(problem, needs_classifier, budget, fused) else "lean"

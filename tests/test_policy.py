@@ -14,6 +14,7 @@ from cce_compile.policy import MIN_FAST_ROWS, MIN_FROZEN_FAST_ROWS, Problem, cho
 E = Problem(rows=8192, vocab=128256, dim=4096, logit_bytes=2)
 BIG = 10**13
 ROW = (E.vocab + E.dim) * 4  # a fast chunk's bytes per row: float32 logits and d hidden
+FUSED_ROW = policy.fast_row_bytes(E, None, True)  # bf16 scaled exponentials from the GEMM
 
 
 def choose(requested="auto", problem=E, budget=BIG, **overrides):
@@ -57,12 +58,29 @@ def test_the_floor_scales_with_the_classifier_gradients_element_size():
         dict(reduction="none"),
         dict(needs_grad=False),
         dict(lse_has_grad=True),
-        dict(budget=(policy.fast_floor_rows(E, True) - 1) * ROW),
+        dict(budget=(policy.fast_floor_rows(E, True) - 1) * FUSED_ROW),
+        dict(budget=(policy.fast_floor_rows(E, True) - 1) * ROW, whole_rows=True),
     ],
-    ids=["none", "no-grad", "lse-grad", "chunk-under-min-rows"],
+    ids=["none", "no-grad", "lse-grad", "chunk-under-min-rows", "whole-rows-under-min-rows"],
 )
 def test_auto_takes_lean(override):
     assert choose(**override) == "lean"
+
+
+def test_auto_sizes_fast_chunks_by_the_form_they_take():
+    """A bf16 chunk of scaled exponentials from the GEMM takes ~half a whole float32 row, so
+    a budget too small for the floor's whole rows still admits fast, unless the call needs
+    whole rows (softcap, entropy, argmax, a vocabulary shard)."""
+    floor = policy.fast_floor_rows(E, True)
+    assert FUSED_ROW < ROW / 1.8
+    budget = floor * ROW - 1
+    assert choose(budget=budget) == "fast"
+    assert choose(budget=budget, whole_rows=True) == "lean"
+    fp32 = dataclasses.replace(E, logit_bytes=4)  # a float32 gradient: no fused form
+    assert not policy.fast_fuses_exp(fp32, False) and policy.fast_fuses_exp(E, False)
+    assert not policy.fast_fuses_exp(E, True)
+    assert policy.fast_needs_whole_rows(softcap=False, entropy=False, argmax=False, split=True)
+    assert not policy.fast_needs_whole_rows(softcap=False, entropy=False, argmax=False, split=False)
 
 
 def test_a_small_problem_takes_fast_when_all_its_rows_fit():
@@ -79,7 +97,7 @@ def test_a_frozen_classifier_takes_fast_with_budget_sized_chunks():
         assert choose(problem=problem, needs_classifier=False, budget=budget) == "fast"
         rows = policy.fast_run_rows(problem, False, budget)
         assert MIN_FROZEN_FAST_ROWS <= rows and rows * (problem.vocab + problem.dim) * 4 <= budget
-    under_floor = (MIN_FROZEN_FAST_ROWS - 1) * ROW
+    under_floor = (MIN_FROZEN_FAST_ROWS - 1) * FUSED_ROW
     assert choose(needs_classifier=False, budget=under_floor) == "lean"
 
 

@@ -129,6 +129,7 @@ def _call_op(tensors, spec, shard: sharding.VocabShard, mode: str | None, flags)
         needs,
         reduction=spec.reduction,
         lse_has_grad=return_lse and torch.is_grad_enabled(),
+        split=True,
     )
     return torch.ops.cce.vocab_parallel_cross_entropy(
         *FORWARD.build(

@@ -30,7 +30,8 @@ import torch
 
 from .. import policy
 from ..kernels.chunk_softmax_grad import chunk_row_stats, chunk_softmax_grad
-from ..kernels.common import RowLayout, row_layout
+from ..kernels.common import RowLayout, TileConfig, row_layout
+from ..kernels.logits_exp import exp_blocks, logits_exp
 from ..kernels.scaled_exp_grad import scaled_exp_grad
 from ..kernels.slab_exp import SLAB_BLOCK, slab_blocks, slab_exp
 from ..loss_math import RowTargets, finish_loss, row_coefficient_parts
@@ -96,14 +97,20 @@ class _FastBuffers:
         argmax: bool,
         split: bool = False,
         slab: int | None = None,
+        fused: TileConfig | None = None,
     ):
         """Room for ``chunk`` positions' logits (``work``: hidden in the compute dtype);
         ``split``: hidden's gradient is a shard's float32 partial sum; ``slab``: classes per
-        slab of float32 logits (None: whole rows)."""
+        slab of float32 logits (None: whole rows); ``fused``: the GEMM's tiles when it writes
+        the scaled exponentials itself (``logits_exp``)."""
         vocab, dim = head.classifier.shape
         device, n_positions = work.device, layout.n_positions
         rows = min(chunk, max(n_positions, 1))
-        self._logit_buffers(rows, vocab, shared.work_dtype(work), slab, device)
+        self.fused = fused
+        if fused is not None:
+            self._fused_buffers(rows, vocab, shared.work_dtype(work), fused, head, device)
+        else:
+            self._logit_buffers(rows, vocab, shared.work_dtype(work), slab, device)
         # In hidden's own dtype (the op's output); each chunk's GEMM writes float32 (``stage``)
         # that is rounded once into it: a bf16 GEMM output lets cuBLAS reduce split-K partials
         # in bf16 (allow_bf16_reduced_precision_reduction), which measurably loses accuracy
@@ -152,6 +159,18 @@ class _FastBuffers:
         blocks = slab_blocks(vocab, self.block)
         self.block_max = torch.empty((rows, blocks), dtype=torch.float32, device=device)
         self.running = tuple(torch.empty(rows, dtype=torch.float32, device=device) for _ in "ms")
+
+    def _fused_buffers(self, rows, vocab, work_dtype, config: TileConfig, head, device):
+        """The gradient (first the scaled exponentials), its tile maxima, and each row's
+        partial lse (and partial weighted sums) per GEMM tile."""
+        self.slab, self.block_max, self.running = None, None, None
+        # Rows padded to 16 bytes: the GEMM's epilogue stores its tiles by TMA.
+        padded = -(-vocab // 8) * 8
+        self.grad = torch.empty((rows, padded), dtype=work_dtype, device=device)[:, :vocab]
+        tiles = exp_blocks(vocab, config)
+        self.block_max = torch.empty((rows, tiles), dtype=torch.float32, device=device)
+        self.partial_lse = torch.empty_like(self.block_max)
+        self.partial_wsum = torch.empty_like(self.partial_lse) if head.spec.needs_wsum else None
 
     def chunk_outputs(self, start: int, stop: int) -> dict:
         """``chunk_softmax_grad``'s output arguments for the positions [start, stop)."""
@@ -219,10 +238,15 @@ def fast_forward(
         problem = dataclasses.replace(problem, vocab=split.share)
     # Slabs of classes: not where pass 2 would need more of each logit than its scaled
     # exponential (softcap's derivative, the entropy, the argmax) or the ranks' statistics.
-    whole_rows = split is not None or entropy or argmax or bool(head.spec.softcap)
+    whole_rows = policy.fast_needs_whole_rows(
+        softcap=bool(head.spec.softcap), entropy=entropy, argmax=argmax, split=split is not None
+    )
     budget = head.budget_bytes
-    slab = None if whole_rows else policy.fast_slab_columns(problem, needs.classifier, budget)
-    chunk = policy.fast_run_rows(problem, needs.classifier, budget, slab)
+    fused = policy.fast_fuses_exp(problem, whole_rows)
+    slab = None
+    if not whole_rows and not fused:
+        slab = policy.fast_slab_columns(problem, needs.classifier, budget)
+    chunk = policy.fast_run_rows(problem, needs.classifier, budget, slab, fused)
     coefs = _PositionCoefficients.of(head, rows, layout, split)
     out = _FastBuffers(
         head,
@@ -234,6 +258,7 @@ def fast_forward(
         argmax=argmax,
         split=bool(split),
         slab=slab,
+        fused=shared.config_of(head, hidden) if fused else None,
     )
     for start in range(0, n_positions, chunk):
         stop = min(start + chunk, n_positions)
@@ -246,7 +271,9 @@ def fast_forward(
             bias=bias,
             **coefs.chunk(start, stop),
         )
-        if slab is not None:
+        if fused:
+            _fused_chunk(h, classifier, kernel_args, out, (start, stop))
+        elif slab is not None:
             _slab_chunk(h, classifier, kernel_args, out, (start, stop))
         else:
             logits = out.logits[: stop - start]
@@ -302,6 +329,49 @@ def _slab_chunk(
         lse,
         smoothing=kernel_args["smoothing"],
         **shared_args,
+    )
+
+
+def _fused_chunk(
+    h: torch.Tensor, classifier: torch.Tensor, kernel_args: dict, out: _FastBuffers, span: tuple
+) -> None:
+    """A chunk's scaled exponentials from the logits GEMM's epilogue (``logits_exp``); the
+    rows' lse from its partials; then the gradient in place (``scaled_exp_grad``)."""
+    start, stop = span
+    n = stop - start
+    grad, block_max = out.grad[:n], out.block_max[:n]
+    lse, target_logit, wsum = (shared.part(s, start, stop) for s in out.stats)
+    partial_wsum = None if out.partial_wsum is None else out.partial_wsum[:n]
+    logits_exp(
+        h,
+        classifier,
+        kernel_args["targets"],
+        grad,
+        block_max,
+        out.partial_lse[:n],
+        target_logit,
+        partial_wsum,
+        logit_scale=kernel_args["logit_scale"],
+        bias=kernel_args["bias"],
+        class_weights=kernel_args["class_weights"],
+        config=out.fused,
+    )
+    torch.logsumexp(out.partial_lse[:n], 1, out=lse)
+    if partial_wsum is not None:
+        torch.sum(partial_wsum, 1, out=wsum)
+    coefs = tuple(kernel_args[k] for k in ("p_base", "p_per_lse", "coef_t", "coef_w"))
+    scaled_exp_grad(
+        grad,
+        block_max,
+        kernel_args["targets"],
+        None,
+        target_logit,
+        coefs,
+        lse,
+        logit_scale=kernel_args["logit_scale"],
+        smoothing=kernel_args["smoothing"],
+        class_weights=kernel_args["class_weights"],
+        max_block=out.fused.block_v,
     )
 
 

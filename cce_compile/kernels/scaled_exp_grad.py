@@ -1,9 +1,9 @@
-"""Fast mode over slabs of classes, pass 2: scaled exponentials -> the logits' gradient.
+"""Fast mode, pass 2: scaled exponentials -> the logits' gradient.
 
-After ``slab_exp`` has run over every slab of a token chunk, each row holds e = exp(z - m_b)
-per class (the chunk's gradient buffer), m_b per block of classes, and its running max and
-sum of exp(z). One program per row computes lse = max + log(sum), then streams the row and
-writes, over e in place,
+After pass 1 (``logits_exp`` fused into the GEMM, or ``slab_exp`` slab by slab) each row of a
+token chunk holds e = exp(z - m_b) per class (the chunk's gradient buffer), m_b per block of
+classes, and either its lse or its running max and sum of exp(z) (lse = max + log(sum)). One
+program per row streams the row and writes, over e in place,
 
     d loss / d y = (coef_p * p - coef_t * onehot - coef_w * w) * logit_scale,
     p = e * exp(m_b - lse),  coef_p = p_base + p_per_lse * lse,
@@ -44,13 +44,18 @@ def _scaled_exp_grad_kernel(
     HAS_WEIGHTS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
+    HAS_RUNNING: tl.constexpr,
     BLOCK: tl.constexpr,
+    MAX_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     exp_ptr = exps + row * stride_exps
     max_ptr = block_max + row * stride_block_max
-    lse = tl.load(run_max + row) + tl.log(tl.load(run_sum + row))
-    tl.store(lse_out + row, lse)
+    if HAS_RUNNING:
+        lse = tl.load(run_max + row) + tl.log(tl.load(run_sum + row))
+        tl.store(lse_out + row, lse)
+    else:
+        lse = tl.load(lse_out + row)
     tgt = tl.load(targets + row)
     p_target = tl.exp(tl.load(target_logit + row) - lse)
     c_p, c_t, c_w, active = row_coefficients(
@@ -61,7 +66,11 @@ def _scaled_exp_grad_kernel(
         cols = start + offs
         ok = cols < vocab
         e = tl.load(exp_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        p = e * tl.exp(tl.load(max_ptr + start // BLOCK) - lse)
+        if MAX_BLOCK == BLOCK:
+            m_b = tl.load(max_ptr + start // BLOCK)
+        else:  # several maxima per block (``logits_exp``'s tiles): gathered, from L1
+            m_b = tl.load(max_ptr + cols // MAX_BLOCK, mask=ok, other=0.0)
+        p = e * tl.exp(m_b - lse)
         is_target = cols == tgt
         p = tl.where(is_target, p_target, p)
         g = c_p * p - tl.where(is_target, c_t, 0.0)
@@ -78,7 +87,7 @@ def scaled_exp_grad(
     exps: torch.Tensor,
     block_max: torch.Tensor,
     targets: torch.Tensor,
-    running: tuple[torch.Tensor, torch.Tensor],
+    running: tuple[torch.Tensor, torch.Tensor] | None,
     target_logit: torch.Tensor,
     coefs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor],
     lse_out: torch.Tensor,
@@ -87,6 +96,7 @@ def scaled_exp_grad(
     smoothing: bool,
     class_weights: torch.Tensor | None = None,
     block: int = SLAB_BLOCK,
+    max_block: int | None = None,
     num_warps: int = 8,
 ) -> None:
     """Pass 2 over a chunk's n rows: ``exps`` (n, V), as ``slab_exp`` left it, becomes the
@@ -96,11 +106,18 @@ def scaled_exp_grad(
     float32 each) as ``slab_exp`` wrote them with the same ``block``; ``target_logit`` (n,)
     float32; ``targets`` (n,) int64, each row's target column (clamped for rows without a
     loss: their coefficients are 0); ``coefs`` = (p_base, p_per_lse or None, coef_t, coef_w),
-    float32 (n,) each, as ``chunk_softmax_grad`` takes them."""
+    float32 (n,) each, as ``chunk_softmax_grad`` takes them.
+
+    ``running`` None: ``lse_out`` already holds the rows' lse, which is read, not written.
+    ``max_block``: classes per ``block_max`` entry when not ``block`` (a power of two
+    dividing it: ``logits_exp`` writes one per GEMM tile)."""
     n_rows, vocab = exps.shape
     if exps.stride(1) != 1:
         raise ValueError("exps must be (n, V) with unit column stride")
-    blocks = slab_blocks(vocab, block)
+    max_block = max_block or block
+    if block % max_block:
+        raise ValueError(f"max_block {max_block} must divide block {block}")
+    blocks = slab_blocks(vocab, max_block)
     if block_max.shape != (n_rows, blocks) or block_max.dtype != torch.float32:
         raise ValueError(f"block_max must be float32 ({n_rows}, {blocks})")
     if targets.shape != (n_rows,) or targets.dtype != torch.int64 or not targets.is_contiguous():
@@ -108,7 +125,7 @@ def scaled_exp_grad(
     if class_weights is not None and class_weights.shape != (vocab,):
         raise ValueError(f"class_weights must be ({vocab},)")
     p_base, p_per_lse, coef_t, coef_w = coefs
-    vectors = (*running, target_logit, p_base, p_per_lse, coef_t, coef_w, lse_out)
+    vectors = (*(running or ()), target_logit, p_base, p_per_lse, coef_t, coef_w, lse_out)
     for t in vectors:
         if t is not None and (
             t.shape != (n_rows,) or t.dtype != torch.float32 or not t.is_contiguous()
@@ -121,7 +138,7 @@ def scaled_exp_grad(
         block_max,
         targets,
         class_weights.contiguous() if class_weights is not None else p_base,
-        *running,
+        *(running or (lse_out, lse_out)),
         target_logit,
         p_base,
         p_per_lse if p_per_lse is not None else p_base,
@@ -135,6 +152,8 @@ def scaled_exp_grad(
         HAS_WEIGHTS=class_weights is not None,
         HAS_SMOOTHING=smoothing,
         HAS_Z_LOSS=p_per_lse is not None,
+        HAS_RUNNING=running is not None,
         BLOCK=block,
+        MAX_BLOCK=max_block,
         num_warps=num_warps,
     )

@@ -25,19 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import merge_max_sum
+
 # Classes per block: the granularity of ``block_max``. Both passes use it.
 SLAB_BLOCK = 2048
-
-
-@triton.jit
-def _merge(m_a, s_a, m_b, s_b):
-    """(max, sum of exp(z - max)) of two parts; a part that saw only -inf has sum 0, which
-    it keeps (not exp(-inf - -inf)). A part whose max is -inf may hold NaN logits too (the max
-    skips NaN): its sum is NaN, and it must stay NaN, as PyTorch's loss does."""
-    m = tl.maximum(m_a, m_b)
-    a = tl.where(m_a == float("-inf"), s_a, s_a * tl.exp(m_a - m))
-    b = tl.where(m_b == float("-inf"), s_b, s_b * tl.exp(m_b - m))
-    return m, a + b
 
 
 @triton.jit
@@ -88,7 +79,7 @@ def _slab_exp_kernel(
         e = tl.where(z == float("-inf"), 0.0, tl.exp(z - offset))
         tl.store(exp_ptr + cols, e.to(exps.dtype.element_ty), mask=ok)
         tl.store(max_ptr + start // BLOCK, offset)
-        slab_max, slab_sum = _merge(slab_max, slab_sum, block_top, tl.sum(e, axis=0))
+        slab_max, slab_sum = merge_max_sum(slab_max, slab_sum, block_top, tl.sum(e, axis=0))
         target_acc += tl.sum(tl.where(cols == tgt, z, 0.0), axis=0)
         if HAS_SMOOTHING:
             if HAS_WEIGHTS:
@@ -103,7 +94,7 @@ def _slab_exp_kernel(
         if HAS_SMOOTHING:
             tl.store(wsum_out + row, tl.sum(wsum_acc, axis=0))
     else:
-        m, s = _merge(tl.load(run_max + row), tl.load(run_sum + row), slab_max, slab_sum)
+        m, s = merge_max_sum(tl.load(run_max + row), tl.load(run_sum + row), slab_max, slab_sum)
         tl.store(run_max + row, m)
         tl.store(run_sum + row, s)
         tl.store(target_out + row, tl.load(target_out + row) + target_acc)

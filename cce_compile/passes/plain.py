@@ -309,6 +309,7 @@ def choose_site_mode(site: PlainSite, needs: tuple[bool, bool, bool]) -> str:
         reduction=site.reduction,
         grad_filter=site_grad_filter(site),
         lse_has_grad=bool(site.lse_users),
+        softcap=bool(site.softcap),
     )
 
 

@@ -352,4 +352,4 @@ def _site_mode(site: TensorParallelSite, needs: dict[str, bool]) -> str:
         any(t.dtype != site.compute_dtype for t in (hidden, classifier)),
         hidden.device.type,
     )
-    return decide.mode(None, problem, needs, reduction=site.reduction)
+    return decide.mode(None, problem, needs, reduction=site.reduction, split=True)

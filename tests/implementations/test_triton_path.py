@@ -190,6 +190,41 @@ def test_fast_mode_over_slabs_with_half_width_buffers(monkeypatch, dtype):
     run_and_compare(to_device(case), mode="fast")
 
 
+@pytest.mark.parametrize("options", SLABBED_FAST.values(), ids=SLABBED_FAST.keys())
+def test_fast_mode_with_exponentials_from_the_gemm(monkeypatch, options):
+    """Fast mode's chunks as scaled exponentials written by the logits GEMM's epilogue
+    (logits_exp, scaled_exp_grad): chunks of 5 rows over 45 classes (the interpreter's
+    16-class tiles: a partial last tile), against the oracle; and the fused path ran."""
+    from cce_compile import policy
+    from cce_compile.implementations import triton_fast
+
+    chunks = []
+    monkeypatch.setattr(policy, "fast_fuses_exp", lambda *args: True)
+    monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
+    real_fused_chunk = triton_fast._fused_chunk
+    monkeypatch.setattr(
+        triton_fast, "_fused_chunk", lambda *a: chunks.append(a[-1]) or real_fused_chunk(*a)
+    )
+    case = build_case(leading=(4, 7), dim=18, vocab=45, seed=13, **options)
+    run_and_compare(to_device(case), mode="fast")
+    assert chunks, "fast mode must take the fused path where policy.fast_fuses_exp says so"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fast_mode_with_exponentials_from_the_gemm_in_half_width(monkeypatch, dtype):
+    """The GPU's form: bf16 / fp16 operands and scaled exponentials (the interpreter's buffers
+    are otherwise float32), every option, against the oracle of the rounded inputs."""
+    from cce_compile import policy
+    from cce_compile.implementations import triton_shared
+
+    monkeypatch.setattr(triton_shared, "work_dtype", lambda tensor: tensor.dtype)
+    monkeypatch.setattr(policy, "fast_fuses_exp", lambda *args: True)
+    monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
+    options = SLABBED_FAST["every_option"]
+    case = build_case(leading=(4, 7), dim=18, vocab=45, dtype=dtype, scale=4.0, seed=13, **options)
+    run_and_compare(to_device(case), mode="fast")
+
+
 def test_fast_mode_whole_rows_with_a_minus_inf_bias_before_finite_logits(monkeypatch):
     """V > 4096 (the softmax kernel's block): lane j sees column j, then j + 4096. A -inf bias
     at column j once made that lane's sum exp(-inf - -inf) = NaN, which the finite column
@@ -209,16 +244,17 @@ NAN_LOGITS = {
 }
 
 
-@pytest.mark.parametrize("slab", [None, 16], ids=["whole-rows", "slabs"])
+@pytest.mark.parametrize("form", [None, 16, "fused"], ids=["whole-rows", "slabs", "fused"])
 @pytest.mark.parametrize("where", NAN_LOGITS.values(), ids=NAN_LOGITS.keys())
-def test_fast_mode_propagates_a_nan_logit(monkeypatch, slab, where):
+def test_fast_mode_propagates_a_nan_logit(monkeypatch, form, where):
     """A NaN logit makes every row's loss NaN in PyTorch (it is in every row's lse). The
     softmax's running max skips NaN (tl.maximum), so a lane or block whose max stayed -inf
     (only NaN seen: a NaN classifier row with V <= the block; or NaN among -inf biases) had
     its NaN sum replaced by 0: a finite loss. 'sum', no row targets the NaN class."""
     from cce_compile import policy
 
-    monkeypatch.setattr(policy, "fast_slab_columns", lambda *args: slab)
+    monkeypatch.setattr(policy, "fast_fuses_exp", lambda *args: form == "fused")
+    monkeypatch.setattr(policy, "fast_slab_columns", lambda *args: form)
     monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
     case = build_case(
         leading=(2, 7), dim=12, vocab=45, bias=True, ignored_fraction=0.0, reduction="sum", seed=5
@@ -244,7 +280,9 @@ def test_fast_mode_keeps_whole_rows_where_slabs_cannot_serve(monkeypatch):
     from cce_compile.implementations import triton_fast
 
     monkeypatch.setattr(policy, "fast_slab_columns", lambda *args: 16)
+    monkeypatch.setattr(policy, "fast_fuses_exp", lambda problem, whole_rows: not whole_rows)
     monkeypatch.setattr(triton_fast, "_slab_chunk", lambda *a: pytest.fail("slabs with softcap"))
+    monkeypatch.setattr(triton_fast, "_fused_chunk", lambda *a: pytest.fail("fused with softcap"))
     case = build_case(leading=(2, 7), dim=18, vocab=45, softcap=5.0, seed=14)
     run_and_compare(to_device(case), mode="fast")
 

@@ -1,0 +1,240 @@
+"""Fast mode, pass 1 fused into the logits GEMM: a chunk's scaled exponentials, no float32 logits.
+
+A persistent program walks (BLOCK_N rows x BLOCK_V classes) tiles of ``h @ classifier.T``,
+each computed in registers (float32 accumulation, operands by TMA where aligned), and per tile
+writes
+
+    e = exp(z - m_t),  z = logit_scale * (y + b),  m_t = the tile's largest z per row,
+
+rounded once to the chunk's gradient buffer (n x V, the compute dtype; by TMA where its rows
+are 16-byte aligned), with m_t into ``block_max`` and m_t + log(sum e) into ``partial_lse``
+(both n x tiles, float32). The tile that holds a row's target writes that float32 target
+logit; with label smoothing each tile writes its sum_j w_j z_j (``partial_wsum``).
+``scaled_exp_grad`` then turns e into the gradient with the rows' lse (the partials'
+logsumexp).
+
+So a logit costs the GEMM's write of two bytes, where cuBLAS's float32 logits and a pass that
+rescaled them (``slab_exp``) moved ten, and a chunk is one launch instead of two per slab.
+Accuracy is ``slab_exp``'s: e is rounded once (relative 2^-8 at worst), and the target's entry
+is recomputed in pass 2 from its float32 logit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .common import (
+    RowLayout,
+    TileConfig,
+    capped_logits_tile,
+    gemm_launch_options,
+    grouped_tile,
+    launch_grid,
+    operand_args,
+    tma_ok,
+)
+
+
+@triton.jit
+def _logits_exp_kernel(
+    hidden,
+    classifier,
+    bias,
+    class_weights,
+    targets,
+    exps,
+    block_max,
+    partial_lse,
+    partial_wsum,
+    target_logit,
+    n_rows,
+    vocab,
+    dim,
+    stride_pos,
+    stride_cv,
+    stride_exps,
+    stride_tiles,
+    logit_scale,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    NEEDS_WSUM: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP_N: tl.constexpr,
+):
+    # Persistent, one program per SM walking tiles num_programs apart, the loop flattened so
+    # that the compiler pipelines the next tile's loads under this tile's epilogue: 1.14x
+    # cuBLAS's bf16 GEMM at E's chunk on an H100, against 1.26x with a program per tile
+    # (bench/results/tune_fused.md). A data-dependent branch in the body (skipping the target
+    # select on tiles without a target) does not compile flattened on Triton 3.6.
+    num_tiles = tl.cdiv(n_rows, BLOCK_N) * tl.cdiv(vocab, BLOCK_V)
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+        pid_n, pid_v = grouped_tile(tile, n_rows, vocab, BLOCK_N, BLOCK_V, GROUP_N)
+        first = pid_n * BLOCK_N
+        first_col = pid_v * BLOCK_V
+        rows = first + tl.arange(0, BLOCK_N)
+        valid = rows < n_rows
+        rows_c = tl.minimum(rows, n_rows - 1)
+        cols = first_col + tl.arange(0, BLOCK_V)
+        col_ok = cols < vocab
+        cols_c = tl.minimum(cols, vocab - 1)
+        z = capped_logits_tile(
+            hidden,
+            classifier,
+            bias,
+            first,
+            first_col,
+            rows_c,
+            cols_c,
+            dim,
+            stride_pos,
+            stride_cv,
+            logit_scale,
+            1.0,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+            USE_TMA,
+            UPCAST_DOT,
+            DOT_PRECISION,
+        )
+        z = tl.where(col_ok[None, :], z, float("-inf"))
+        tile_max = tl.max(z, axis=1)
+        # A row whose tile is all -inf (a -inf bias) stores m_t = 0, e = 0 and a partial lse
+        # of log(0) = -inf; NaN logits (which the max skips) give NaN e and a NaN partial, as
+        # PyTorch's loss is NaN.
+        offset = tl.where(tile_max == float("-inf"), 0.0, tile_max)
+        e = tl.exp(z - offset[:, None])
+        if USE_TMA:  # the copy engine clips the tile's rows and columns past the ends
+            exps.store([first, first_col], e.to(exps.dtype))
+        else:
+            row64 = rows_c.to(tl.int64)
+            e_ptrs = exps + row64[:, None] * stride_exps + cols[None, :]
+            tl.store(e_ptrs, e.to(exps.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+        tile_off = rows_c.to(tl.int64) * stride_tiles + pid_v
+        tl.store(block_max + tile_off, offset, mask=valid)
+        tl.store(partial_lse + tile_off, offset + tl.log(tl.sum(e, axis=1)), mask=valid)
+        tgt = tl.load(targets + rows_c)
+        has_target = valid & (tgt >= first_col) & (tgt < first_col + BLOCK_V)
+        target_z = tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
+        tl.store(target_logit + rows_c, target_z, mask=has_target)
+        if NEEDS_WSUM:
+            if HAS_WEIGHTS:
+                w = tl.load(class_weights + cols_c).to(tl.float32)
+            else:
+                w = tl.full((BLOCK_V,), 1.0, tl.float32)
+            wz = tl.sum(tl.where(col_ok[None, :], w[None, :] * z, 0.0), axis=1)
+            tl.store(partial_wsum + tile_off, wz, mask=valid)
+
+
+def exp_blocks(vocab: int, config: TileConfig) -> int:
+    """Columns of ``block_max`` and the partial buffers for ``vocab`` classes: one per tile."""
+    return triton.cdiv(vocab, config.block_v)
+
+
+def _persistent_programs(device: torch.device) -> int:
+    """One program per SM (a handful in the interpreter, so tests walk several tiles each)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _check_row_buffer(name: str, t: torch.Tensor | None, shape: tuple) -> None:
+    if t is not None and (tuple(t.shape) != shape or t.dtype != torch.float32 or t.stride(-1) != 1):
+        raise ValueError(f"{name} must be float32 {shape} with a unit last stride")
+
+
+def logits_exp(
+    h: torch.Tensor,
+    classifier: torch.Tensor,
+    targets: torch.Tensor,
+    exps: torch.Tensor,
+    block_max: torch.Tensor,
+    partial_lse: torch.Tensor,
+    target_logit: torch.Tensor,
+    partial_wsum: torch.Tensor | None = None,
+    *,
+    logit_scale: float,
+    bias: torch.Tensor | None = None,
+    class_weights: torch.Tensor | None = None,
+    config: TileConfig,
+    programs: int | None = None,
+) -> None:
+    """Pass 1 of a chunk of n rows, fused into its logits GEMM.
+
+    ``h`` (n, D) and ``classifier`` (V, D), one dtype, unit column strides. ``targets`` (n,)
+    int64 contiguous, each row's target class in [0, V) (a row without a loss may take any).
+    Writes ``exps`` (n, V), any float dtype with a unit column stride; ``block_max`` (n,
+    ``exp_blocks``) float32; ``partial_lse`` and, with label smoothing, ``partial_wsum`` (n,
+    ``exp_blocks``) float32; ``target_logit`` (n,) float32 contiguous. (``exps`` rows 16-byte
+    aligned take the copy engine's tile store: pad its row stride to a multiple of 8.) ``bias`` and
+    ``class_weights``: (V,). ``programs``: persistent programs (default: one per SM)."""
+    n_rows, dim = h.shape
+    vocab = classifier.shape[0]
+    if classifier.shape != (vocab, dim) or classifier.dtype != h.dtype:
+        raise ValueError(f"classifier must be {h.dtype} ({vocab}, {dim}) like h")
+    if h.stride(1) != 1 or classifier.stride(1) != 1:
+        raise ValueError("h and classifier need unit column strides")
+    if exps.shape != (n_rows, vocab) or exps.stride(1) != 1:
+        raise ValueError(f"exps must be ({n_rows}, {vocab}) with a unit column stride")
+    if targets.shape != (n_rows,) or targets.dtype != torch.int64 or not targets.is_contiguous():
+        raise ValueError(f"targets must be contiguous int64 ({n_rows},)")
+    if not target_logit.is_contiguous():
+        raise ValueError("target_logit must be contiguous")
+    tiles = exp_blocks(vocab, config)
+    for name, t in (("block_max", block_max), ("partial_lse", partial_lse)):
+        _check_row_buffer(name, t, (n_rows, tiles))
+    _check_row_buffer("partial_wsum", partial_wsum, (n_rows, tiles))
+    _check_row_buffer("target_logit", target_logit, (n_rows,))
+    strides = {t.stride(0) for t in (block_max, partial_lse, partial_wsum) if t is not None}
+    if len(strides) != 1:
+        raise ValueError("block_max, partial_lse and partial_wsum need one row stride")
+    for name, vector in (("bias", bias), ("class_weights", class_weights)):
+        if vector is not None and vector.shape != (vocab,):
+            raise ValueError(f"{name} must be ({vocab},)")
+    if n_rows == 0 or vocab == 0:
+        return
+    layout = RowLayout(h, n_rows, n_rows, n_rows, h.stride(0), n_rows)
+    hidden_arg, classifier_arg, use_tma = operand_args(layout, classifier, config)
+    exps_arg = exps
+    if use_tma and tma_ok(exps, exps.stride(0)):
+        exps_arg = TensorDescriptor(
+            exps, list(exps.shape), [exps.stride(0), 1], [config.block_n, config.block_v]
+        )
+    else:  # one form for loads and the store
+        use_tma = False
+        hidden_arg, classifier_arg = h, classifier
+    tile_count = launch_grid(n_rows, vocab, config)[0]
+    _logits_exp_kernel[(min(tile_count, programs or _persistent_programs(h.device)),)](
+        hidden_arg,
+        classifier_arg,
+        bias.contiguous() if bias is not None else classifier,
+        class_weights.contiguous() if class_weights is not None else classifier,
+        targets,
+        exps_arg,
+        block_max,
+        partial_lse,
+        partial_wsum if partial_wsum is not None else partial_lse,
+        target_logit,
+        n_rows,
+        vocab,
+        dim,
+        h.stride(0),
+        classifier.stride(0),
+        exps.stride(0),
+        block_max.stride(0),
+        float(logit_scale),
+        HAS_WEIGHTS=class_weights is not None,
+        NEEDS_WSUM=partial_wsum is not None,
+        **gemm_launch_options(config, h, use_tma=use_tma, has_bias=bias is not None, softcap=0.0),
+    )

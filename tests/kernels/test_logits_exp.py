@@ -1,0 +1,207 @@
+"""Fast mode's fused passes (``logits_exp`` in the GEMM, then ``scaled_exp_grad``) against float64.
+
+The GEMM's epilogue writes exp(z - tile max), the tile maxima, partial lse per program, the
+target logit and partial weighted sums; with the rows' lse (the partials' logsumexp) pass 2
+must give the logits' gradient as ``chunk_softmax_grad`` defines it: (coef_p * softmax -
+coef_t * onehot - coef_w * w) * logit_scale, coef_p = p_base + p_per_lse * lse. On CPU the
+interpreter's tiles are 16 wide, so several tiles, programs and a partial last tile occur.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs a GPU or TRITON_INTERPRET=1",
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _config(dtype):
+    from cce_compile.implementations.triton_shared import tile_config
+
+    return tile_config(
+        torch.device(DEVICE), elem_bytes=torch.tensor([], dtype=dtype).element_size(), dim=64
+    )
+
+
+def _run_fused(
+    h, classifier, targets, coefs, *, scale, bias, weights, smoothing, exp_dtype, padded=False
+):
+    from cce_compile.kernels.logits_exp import exp_blocks, logits_exp
+    from cce_compile.kernels.scaled_exp_grad import scaled_exp_grad
+
+    config = _config(h.dtype)
+    n, vocab = h.shape[0], classifier.shape[0]
+    f32 = lambda *shape: torch.full(shape, float("nan"), device=DEVICE)  # noqa: E731
+    width = -(-vocab // 8) * 8 if padded else vocab  # 16-byte rows: the TMA tile store
+    exps = torch.full((n, width), float("nan"), dtype=exp_dtype, device=DEVICE)[:, :vocab]
+    block_max = f32(n, exp_blocks(vocab, config))
+    partial_lse = f32(n, exp_blocks(vocab, config))
+    partial_wsum = f32(n, exp_blocks(vocab, config)) if smoothing else None
+    target_logit = f32(n)
+    logits_exp(
+        h,
+        classifier,
+        targets,
+        exps,
+        block_max,
+        partial_lse,
+        target_logit,
+        partial_wsum,
+        logit_scale=scale,
+        bias=bias,
+        class_weights=weights,
+        config=config,
+    )
+    first_pass = exps.clone()
+    lse = torch.logsumexp(partial_lse, 1)
+    scaled_exp_grad(
+        exps,
+        block_max,
+        targets,
+        None,
+        target_logit,
+        coefs,
+        lse,
+        logit_scale=scale,
+        smoothing=smoothing,
+        class_weights=weights,
+        block=4 * config.block_v,
+        max_block=config.block_v,
+    )
+    wsum = None if partial_wsum is None else partial_wsum.sum(1)
+    return first_pass, block_max, exps, lse, target_logit, wsum
+
+
+CASES = {
+    "plain": dict(),
+    "bias-scale": dict(bias=True, scale=1.7),
+    "smoothing-weights-z_loss": dict(smoothing=True, weights=True, z_loss=True),
+    "smoothing-unweighted": dict(smoothing=True),
+    "neg_inf_bias_tile": dict(bias=True, inf_tile=True),
+    "strided_h": dict(strided=True),
+    "one_tile": dict(vocab=13),
+    "padded_rows": dict(padded=True),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_fused_passes_match_float64(case):
+    gen = torch.Generator().manual_seed(5)
+    n, dim, vocab = 37, 40, case.get("vocab", 77)
+    scale = case.get("scale", 1.0)
+    wide = torch.randn(n, dim + 8, generator=gen)
+    h = wide[:, :dim] if case.get("strided") else wide[:, :dim].contiguous()
+    classifier = torch.randn(vocab, dim, generator=gen) / 2
+    bias = torch.randn(vocab, generator=gen) if case.get("bias") else None
+    if case.get("inf_tile"):  # a whole tile (and program) of classes masked out by its bias
+        bias[32:64] = float("-inf")
+    weights = torch.rand(vocab, generator=gen) if case.get("weights") else None
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    if case.get("inf_tile"):
+        targets[(targets >= 32) & (targets < 64)] = 0  # probability 0: an infinite loss
+    p_base, coef_t, coef_w = (torch.rand(n, generator=gen) for _ in range(3))
+    p_base[2] = coef_t[2] = coef_w[2] = 0.0  # a row without a loss: zero gradient
+    p_per_lse = torch.rand(n, generator=gen) * 0.1 if case.get("z_loss") else None
+    if p_per_lse is not None:
+        p_per_lse[2] = 0.0
+    smoothing = bool(case.get("smoothing"))
+
+    y = h.double() @ classifier.double().T
+    z = (y + (0 if bias is None else bias.double())) * scale
+    lse = torch.logsumexp(z, 1)
+    c_p = p_base.double() + (0 if p_per_lse is None else p_per_lse.double() * lse)
+    onehot = torch.nn.functional.one_hot(targets, vocab).double()
+    w = torch.ones(vocab, dtype=torch.float64) if weights is None else weights.double()
+    g = c_p[:, None] * torch.softmax(z, 1) - coef_t.double()[:, None] * onehot
+    if smoothing:
+        g = g - coef_w.double()[:, None] * w
+    g = g * scale
+    g[2] = 0.0
+
+    move = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    coefs = tuple(move(t) for t in (p_base, p_per_lse, coef_t, coef_w))
+    first, block_max, got, got_lse, got_target, got_wsum = _run_fused(
+        move(h),
+        move(classifier),
+        move(targets),
+        coefs,
+        scale=scale,
+        bias=move(bias),
+        weights=move(weights),
+        smoothing=smoothing,
+        exp_dtype=torch.float32,
+        padded=bool(case.get("padded")),
+    )
+    # Pass 1's exponentials are exp(z - m_t) with m_t their tile's row max (0 if all -inf).
+    tile = block_max.shape[1] and -(-vocab // block_max.shape[1])
+    m_t = block_max.cpu().double().repeat_interleave(tile, 1)[:, :vocab]
+    torch.testing.assert_close(first.cpu().double(), torch.exp(z - m_t), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_lse.cpu().double(), lse, rtol=1e-5, atol=1e-5)
+    target_z = z.gather(1, targets[:, None])[:, 0]
+    torch.testing.assert_close(got_target.cpu().double(), target_z, rtol=1e-5, atol=1e-5)
+    if smoothing:
+        wz = torch.where(w > 0, w * z, 0.0).sum(1)
+        torch.testing.assert_close(got_wsum.cpu().double(), wz, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got.cpu().double(), g, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_pass_propagates_nan_logits():
+    """A NaN logit makes its row's lse NaN (PyTorch's loss is NaN), even in a tile whose other
+    logits a -inf bias masks out; the other rows stay finite."""
+    n, dim, vocab = 4, 16, 48
+    h = torch.randn(n, dim)
+    h[1, 0] = float("nan")
+    bias = torch.zeros(vocab)
+    bias[:16] = float("-inf")
+    targets = torch.full((n,), 20)
+    zeros = torch.zeros(n)
+    coefs = (zeros.to(DEVICE), None, zeros.to(DEVICE), zeros.to(DEVICE))
+    *_, lse, _, _ = _run_fused(
+        h.to(DEVICE),
+        torch.randn(vocab, dim).to(DEVICE),
+        targets.to(DEVICE),
+        coefs,
+        scale=1.0,
+        bias=bias.to(DEVICE),
+        weights=None,
+        smoothing=False,
+        exp_dtype=torch.float32,
+    )
+    assert torch.isnan(lse[1]) and torch.isfinite(lse[[0, 2, 3]]).all()
+
+
+@pytest.mark.parametrize(
+    "bad", ["classifier_dtype", "exps_shape", "block_max_shape", "targets_dtype", "partial_shape"]
+)
+def test_logits_exp_rejects_mismatched_buffers(bad):
+    from cce_compile.kernels.logits_exp import exp_blocks, logits_exp
+
+    config = _config(torch.float32)
+    n, dim, vocab = 5, 16, 40
+    args = dict(
+        h=torch.zeros(n, dim, device=DEVICE),
+        classifier=torch.zeros(vocab, dim, device=DEVICE),
+        targets=torch.zeros(n, dtype=torch.int64, device=DEVICE),
+        exps=torch.zeros(n, vocab, device=DEVICE),
+        block_max=torch.zeros(n, exp_blocks(vocab, config), device=DEVICE),
+        partial_lse=torch.zeros(n, exp_blocks(vocab, config), device=DEVICE),
+        target_logit=torch.zeros(n, device=DEVICE),
+    )
+    if bad == "classifier_dtype":
+        args["classifier"] = args["classifier"].double()
+    elif bad == "exps_shape":
+        args["exps"] = args["exps"][:, 1:]
+    elif bad == "block_max_shape":
+        args["block_max"] = args["block_max"][:, 1:]
+    elif bad == "targets_dtype":
+        args["targets"] = args["targets"].int()
+    else:
+        args["partial_lse"] = args["partial_lse"][1:]
+    with pytest.raises(ValueError):
+        logits_exp(**args, logit_scale=1.0, config=config)
