@@ -179,20 +179,27 @@ def finish_loss(
     eps = spec.label_smoothing
     nll = lse - target_logit
     per_row = (1.0 - eps) * rows.weight * nll
+    smooth = None
     if eps > 0.0:
         assert wsum is not None
-        per_row = per_row + (eps / vocab) * (rows.weight_total * lse - wsum)
-    # where(), not a product: a non-finite logit on an ignored row must not leak into the loss.
+        smooth = (eps / vocab) * (rows.weight_total * lse - wsum)
+        # where(), not a product: a non-finite logit on an ignored row must not leak into the loss.
+        smooth = torch.where(rows.valid, smooth, 0.0)
     per_row = torch.where(rows.valid, per_row, 0.0)
     z_term = torch.where(rows.valid, spec.z_loss * lse * lse, 0.0) if spec.z_loss else None
     # Out-of-range targets (GPU, unchecked) must never give a plausible number.
     per_row = torch.where(rows.out_of_range, float("nan"), per_row)
     if spec.reduction == "none":
-        return per_row if z_term is None else per_row + z_term
+        out = per_row if smooth is None else per_row + smooth
+        return out if z_term is None else out + z_term
     if spec.reduction == "sum":
-        total = per_row.sum()
-        return total if z_term is None else total + z_term.sum()
+        terms = [t.sum() for t in (per_row, smooth, z_term) if t is not None]
+        return sum(terms[1:], terms[0])
+    # Each term over the weight sum, as PyTorch divides them: with weights 0 at every target,
+    # 0/0 + x/0 = NaN, where the summed terms' x/0 would be a plausible inf.
     loss = per_row.sum() / rows.weight_sum
+    if smooth is not None:
+        loss = loss + smooth.sum() / rows.weight_sum
     if z_term is not None:
         loss = loss + z_term.sum() / rows.count
     return loss

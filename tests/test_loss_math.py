@@ -49,3 +49,36 @@ def test_row_targets_counts_every_row_with_an_out_of_range_ignore_index(ignore_i
     rows = row_targets(targets, None, LossSpec(ignore_index=ignore_index, shift=1), vocab=11)
     assert rows.valid.tolist() == [True, True, True]
     assert rows.count.item() == 3 and rows.weight_sum.item() == 3
+
+
+@pytest.mark.parametrize("mode", ["lean", "fast"])
+@pytest.mark.parametrize("weights", ["zero-at-targets", "positive"])
+def test_smoothed_weighted_mean_divides_each_term_as_pytorch_does(mode, weights):
+    """Label smoothing with class weights, 'mean': PyTorch divides the nll and the smoothing
+    term each by the targets' weight sum. With weights 0 at every target that is 0/0 + x/0 =
+    NaN; summing the terms first gave x/0 = +inf, a plausible wrong number (break run 15)."""
+    import torch.nn.functional as F
+
+    import cce_compile
+
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(9, 12, generator=gen, dtype=torch.float64)
+    classifier = torch.randn(20, 12, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, 20, (9,), generator=gen)
+    class_weights = torch.rand(20, generator=gen, dtype=torch.float64) + 0.1
+    if weights == "zero-at-targets":
+        class_weights[targets] = 0.0
+    expected = F.cross_entropy(
+        hidden @ classifier.T, targets, weight=class_weights, label_smoothing=0.1
+    )
+    got = cce_compile.linear_cross_entropy(
+        hidden.float(),
+        classifier.float(),
+        targets,
+        class_weights=class_weights.float(),
+        label_smoothing=0.1,
+        mode=mode,
+    )
+    assert torch.isnan(expected) == torch.isnan(got)
+    if not torch.isnan(expected):
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
