@@ -137,7 +137,7 @@ def amp_reference_inputs(hidden, classifier, scenario: Scenario):
 
 
 def _cce_methods():
-    """cce_compile's modes and the default under other settings (budgets, slabs, skipping)."""
+    """cce_compile's modes and the default under other settings (budgets, chunk forms, skipping)."""
     import cce_compile
 
     methods = {}
@@ -178,17 +178,13 @@ def _cce_methods():
             for name, rule in saved.items():
                 setattr(policy, name, rule)
 
-    def auto_with_slabs(h, c, t, columns):
-        """The default with fast mode's chunks over slabs of ``columns`` classes, or as whole
-        float32 rows (None; as before session 14), not from the GEMM's epilogue."""
-        return auto_with_policy(h, c, t, fast_fuses_exp=False, fast_slab_columns=columns)
-
-    def auto_unfused(h, c, t):
-        """The default as in session 14: exponentials over slabs where the policy takes slabs,
-        not from the logits GEMM's epilogue (session 15)."""
+    def auto_whole_rows(h, c, t):
+        """The default with fast mode's chunks as whole float32 rows (cuBLAS logits, then
+        ``chunk_softmax_grad``), not the GEMM's scaled exponentials: session 14's whole-row
+        form."""
         return auto_with_policy(h, c, t, fast_fuses_exp=False)
 
-    methods["cce_auto_unfused"] = lambda: auto_unfused
+    methods["cce_auto_whole_rows"] = lambda: auto_whole_rows
 
     def auto_with_budget(h, c, t, megabytes):
         """The default under CCE_MEMORY_BUDGET_MB=megabytes (fewer, larger chunks and slabs on
@@ -200,17 +196,12 @@ def _cce_methods():
         methods[f"cce_auto_budget{megabytes}"] = lambda mb=megabytes: (
             lambda h, c, t: auto_with_budget(h, c, t, mb)
         )
-    methods["cce_auto_whole_rows"] = lambda: lambda h, c, t: auto_with_slabs(h, c, t, None)
-    for columns in (2048, 4096, 8192, 16384, 32768):
-        methods[f"cce_auto_slab{columns}"] = lambda n=columns: (
-            lambda h, c, t: auto_with_slabs(h, c, t, n)
-        )
 
     def auto_with_fast_rows(h, c, t, chunk_rows):
         """auto under the smallest budget that admits fast mode with ``chunk_rows``-row chunks
         of whole float32 rows (float32 logits and d hidden per row, and the rounded hidden under
         AMP): a point on fast mode's memory/speed curve (policy.py). Where the policy takes
-        slabs of classes (short whole-row chunks) the same budget holds more rows."""
+        the fused form (bf16 scaled exponentials) the same budget holds more rows."""
         vocab, dim = c.shape
         rows = h.numel() // dim
         rounded = rows * dim * 2 if torch.is_autocast_enabled("cuda") else 0

@@ -42,7 +42,7 @@ def chunk_rows(n: int, d: int, v: int) -> int:
     """The default budget's fused chunk for this shape (bf16)."""
     problem = policy.Problem(n, v, d, 2)
     budget = policy.budget_bytes(problem, None, 0.2)
-    return policy.fast_run_rows(problem, True, budget, None, True)
+    return policy.fast_run_rows(problem, True, budget, fused=True)
 
 
 def time_pair(h, classifier, targets, exps, cfg, reps, options) -> dict:

@@ -13,10 +13,12 @@ gradients it returns):
   over 1/5 of the logits, lean takes more than the budget).
 * fast: no V x D tensor of its own (the classifier's gradient, in its own dtype, accumulates
   the chunks: it is an output, not extra); the rounded hidden (AMP; the rounded classifier is
-  autocast's own copy, not counted: ``fast_fixed_bytes``), and chunks of ``n`` rows of
-  float32 logits (n x V x 4; the bf16 gradient is written over them) with their float32
-  hidden gradient (n x D x 4), ``n`` at most ``FAST_CHUNK_ROWS`` and as large as the budget
-  allows.
+  autocast's own copy, not counted: ``fast_fixed_bytes``), and chunks of ``n`` rows with
+  their float32 hidden gradient (n x D x 4): float32 logits (n x V x 4; the bf16 gradient is
+  written over them), or, for a bf16 / fp16 gradient where no whole rows are needed
+  (``fast_fuses_exp``), the logits GEMM's scaled exponentials (n x V x 2, plus a few float32
+  values per tile of classes); ``n`` at most ``FAST_CHUNK_ROWS`` and as large as the budget
+  allows (``fast_row_bytes``).
 * auto: fast when it is valid (scalar loss, gradients wanted, no gradient of the returned lse)
   and a chunk of at least ``fast_floor_rows`` rows, or all rows, fits; else lean. A fast run
   keeps at least that floor (``fast_run_rows``).
@@ -48,17 +50,6 @@ FAST_CHUNK_ROWS = 4096
 # FLOP per byte lean is the faster below D ~ 850: shape G (D = 512) ran fast at 1.38x
 # compile's time and lean at 1.10x, C (D = 2048) fast at 2.97 ms and lean at 3.72 (H100).
 MIN_FAST_DIM = 1024
-# Classes per slab of float32 logits in a fast-mode chunk whose gradient is bf16 / fp16
-# (kernels/slab_exp.py): the chunk holds 2 bytes a logit plus one n x S float32 slab, not 4
-# bytes a logit, so ~1.8x the rows fit a budget at V = 128k: fewer chunks, fewer re-reads of
-# the classifier's gradient, for one more pass over the logits in the compute dtype. Measured
-# at E and B (H100, session 14, bench/results/loss_head.md): 4096 classes the fastest at E
-# (16k and 32k within 3%).
-FAST_SLAB_COLUMNS = 4096
-# Whole-row chunks at least this long keep whole rows: their re-reads of the classifier's
-# gradient already hide behind the GEMM (E, 757 whole rows: 1.15x compile's time whole, 1.08x
-# over slabs; B, 1514 whole rows: 1.01x whole, 1.04x over slabs; H100).
-SLABS_BELOW_ROWS = 1024
 # The fewest rows per fast-mode chunk for auto to prefer fast over lean, for a float32
 # classifier gradient (AMP); half of it for a 2-byte one (module docstring).
 MIN_FAST_ROWS = 1024
@@ -134,45 +125,20 @@ def fast_fuses_exp(problem: Problem, whole_rows: bool) -> bool:
     return problem.logit_bytes == 2 and not whole_rows
 
 
-def fast_row_bytes(problem: Problem, slab_columns: int | None = None, fused: bool = False) -> int:
-    """A fast-mode chunk's bytes per row: its float32 logits and float32 hidden gradient;
-    over slabs of ``slab_columns`` classes (``fast_slab_columns``), its scaled exponentials in
-    the compute dtype, a slab of float32 logits, the block maxima and the running pair
-    (kernels/slab_exp.py) instead of the float32 logits; ``fused`` (``fast_fuses_exp``), the
-    scaled exponentials with at most 3 float32 values per 128 classes (tile maxima, partials)."""
+def fast_row_bytes(problem: Problem, fused: bool = False) -> int:
+    """A fast-mode chunk's bytes per row: its float32 logits and float32 hidden gradient; or,
+    ``fused`` (``fast_fuses_exp``), its scaled exponentials in the compute dtype with at most 3
+    float32 values per 128 classes (tile maxima, partials) instead of the float32 logits."""
     if fused:
         return problem.vocab * problem.logit_bytes + (problem.vocab * 3) // 32 + 8 + problem.dim * 4
-    if slab_columns is None:
-        return (problem.vocab + problem.dim) * 4
-    from .kernels.slab_exp import slab_blocks  # the kernel owns its block size
-
-    row_state = slab_blocks(problem.vocab) + 2
-    return problem.vocab * problem.logit_bytes + (slab_columns + problem.dim + row_state) * 4
+    return (problem.vocab + problem.dim) * 4
 
 
-def fast_slab_columns(problem: Problem, needs_classifier: bool, budget: int) -> int | None:
-    """Classes per slab of float32 logits for a fast-mode chunk, or None for whole float32
-    rows. Slabs pay where they save chunks that each re-read the classifier's gradient: a
-    classifier gradient, a row that takes fewer bytes over slabs than whole, and whole-row
-    chunks under ``SLABS_BELOW_ROWS``. The byte count rules out a float32 gradient (a slabbed
-    row then holds as much as a whole one, plus the slab) and vocabularies under ~2 S (the
-    slab itself is S float32 logits: at 4096 < V < ~8200 slabbed chunks are the shorter)."""
-    if not needs_classifier:
-        return None
-    if fast_row_bytes(problem, FAST_SLAB_COLUMNS) >= fast_row_bytes(problem):
-        return None
-    if fast_chunk_rows(problem, budget) >= SLABS_BELOW_ROWS:
-        return None
-    return FAST_SLAB_COLUMNS
-
-
-def fast_chunk_rows(
-    problem: Problem, budget: int, slab_columns: int | None = None, fused: bool = False
-) -> int:
+def fast_chunk_rows(problem: Problem, budget: int, fused: bool = False) -> int:
     """Rows per fast-mode chunk within the budget (0 if not even one row fits), at
     ``fast_row_bytes`` a row."""
     left = budget - fast_fixed_bytes(problem)
-    per_row = fast_row_bytes(problem, slab_columns, fused)
+    per_row = fast_row_bytes(problem, fused)
     return max(0, min(FAST_CHUNK_ROWS, problem.rows, left // per_row))
 
 
@@ -195,25 +161,21 @@ def fast_fits(problem: Problem, needs_classifier: bool, budget: int, fused: bool
     GPU at a hidden size where fast's passes over the logits cost less than lean's GEMM?"""
     if problem.device_type == "cuda" and problem.dim < MIN_FAST_DIM:
         return False
-    chunk = fast_chunk_rows(problem, budget, None, fused)
+    chunk = fast_chunk_rows(problem, budget, fused)
     return chunk > 0 and chunk >= min(fast_floor_rows(problem, needs_classifier), problem.rows)
 
 
 def fast_run_rows(
-    problem: Problem,
-    needs_classifier: bool,
-    budget: int,
-    slab_columns: int | None = None,
-    fused: bool = False,
+    problem: Problem, needs_classifier: bool, budget: int, fused: bool = False
 ) -> int:
-    """Rows per chunk of a fast-mode run (over slabs of ``slab_columns`` classes, or whole
-    float32 rows): the budget's where its fixed bytes fit the budget, at least the floor auto
+    """Rows per chunk of a fast-mode run (whole float32 rows, or ``fused``: the GEMM's scaled
+    exponentials): the budget's where its fixed bytes fit the budget, at least the floor auto
     accepts; else (fast asked for over the budget) FAST_CHUNK_ROWS.
 
     The floor matters because auto chose on the whole call and the run sees a little less
     budget (compaction's copy of the kept rows): a chunk a few rows under the floor must stay
     a budget-sized chunk, not jump to FAST_CHUNK_ROWS' gigabytes."""
-    chunk = fast_chunk_rows(problem, budget, slab_columns, fused)
+    chunk = fast_chunk_rows(problem, budget, fused)
     if chunk > 0:
         chunk = max(chunk, fast_floor_rows(problem, needs_classifier))
     else:

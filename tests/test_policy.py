@@ -14,7 +14,7 @@ from cce_compile.policy import MIN_FAST_ROWS, MIN_FROZEN_FAST_ROWS, Problem, cho
 E = Problem(rows=8192, vocab=128256, dim=4096, logit_bytes=2)
 BIG = 10**13
 ROW = (E.vocab + E.dim) * 4  # a fast chunk's bytes per row: float32 logits and d hidden
-FUSED_ROW = policy.fast_row_bytes(E, None, True)  # bf16 scaled exponentials from the GEMM
+FUSED_ROW = policy.fast_row_bytes(E, fused=True)  # bf16 scaled exponentials from the GEMM
 
 
 def choose(requested="auto", problem=E, budget=BIG, **overrides):
@@ -212,43 +212,11 @@ def test_a_narrow_head_on_a_gpu_takes_lean():
     assert choose(problem=dataclasses.replace(g, device_type="cpu")) == "fast"
 
 
-def test_fast_mode_takes_slabs_where_they_save_chunks():
-    """Slabs of classes (2 bytes a logit plus one float32 slab) where whole float32 rows give
-    short chunks, each re-reading the classifier's gradient: E at the default budget; not B
-    (whole-row chunks long enough), a frozen head, a float32 gradient or a small vocabulary."""
+def test_fused_fast_chunks_hold_more_rows_within_the_same_budget():
+    """The GEMM's bf16 scaled exponentials (2 bytes a logit and a few float32 values per tile)
+    instead of float32 logits: ~1.8x the rows a chunk at the default budget at E, within it."""
     default = policy.budget_bytes(E, None, 0.2)
-    assert policy.fast_chunk_rows(E, default) < policy.SLABS_BELOW_ROWS
-    slab = policy.fast_slab_columns(E, True, default)
-    assert slab == policy.FAST_SLAB_COLUMNS
-    rows = policy.fast_chunk_rows(E, default, slab)
-    assert rows > 1.5 * policy.fast_chunk_rows(E, default)
-    assert rows * policy.fast_row_bytes(E, slab) <= default
-    b = dataclasses.replace(E, rows=2 * E.rows)
-    assert policy.fast_slab_columns(b, True, policy.budget_bytes(b, None, 0.2)) is None
-    assert policy.fast_slab_columns(E, False, default) is None
-    wide = dataclasses.replace(E, logit_bytes=4)
-    assert policy.fast_slab_columns(wide, True, default) is None
-    small = dataclasses.replace(E, vocab=policy.FAST_SLAB_COLUMNS)
-    assert policy.fast_slab_columns(small, True, default) is None
-
-
-@pytest.mark.parametrize("vocab, dim", [(4097, 4096), (5000, 2048), (6000, 1024), (8192, 4096)])
-def test_fast_mode_keeps_whole_rows_where_slabbed_rows_are_larger(vocab, dim):
-    """Just over one slab of classes, a slabbed row (2 bytes a logit plus a whole float32 slab)
-    takes more bytes than a whole float32 row: slabs would shorten the chunks (V = 6000, D =
-    1024, 8192 rows at the default budget: 604 rows a chunk, 14 chunks, against whole rows'
-    699 and 12), so fast mode keeps whole rows there."""
-    p = dataclasses.replace(E, vocab=vocab, dim=dim)
-    budget = policy.budget_bytes(p, None, 0.2)
-    assert policy.fast_chunk_rows(p, budget) < policy.SLABS_BELOW_ROWS  # short whole-row chunks
-    assert policy.fast_row_bytes(p, policy.FAST_SLAB_COLUMNS) >= policy.fast_row_bytes(p)
-    assert policy.fast_slab_columns(p, True, budget) is None
-
-
-def test_fast_mode_takes_slabs_once_slabbed_rows_are_smaller():
-    """A little over two slabs of classes (V = 2 S + a few hundred) slabbed rows are smaller."""
-    p = dataclasses.replace(E, vocab=2 * policy.FAST_SLAB_COLUMNS + 512)
-    budget = policy.budget_bytes(p, None, 0.2)
-    slab = policy.fast_slab_columns(p, True, budget)
-    assert slab == policy.FAST_SLAB_COLUMNS
-    assert policy.fast_chunk_rows(p, budget, slab) > policy.fast_chunk_rows(p, budget)
+    rows = policy.fast_chunk_rows(E, default, fused=True)
+    assert rows > 1.8 * policy.fast_chunk_rows(E, default)
+    assert rows * FUSED_ROW <= default
+    assert policy.fast_run_rows(E, True, default, fused=True) == rows

@@ -9,12 +9,12 @@ For each token chunk of ``n`` rows:
   (``triton_shared.scale_``). Three GEMMs, the minimum, and no V x D tensor but the gradient.
   Over a vocabulary shard (``SplitVocabulary``): ``chunk_row_stats``, the combine over the
   ranks, then ``chunk_softmax_grad`` with the whole vocabulary's lse.
-Over slabs of classes (where ``policy.fast_slab_columns`` finds they pay; not with softcap,
-entropy, argmax or a shard): each slab's float32 logits (cuBLAS, n x S) ->
-``slab_exp`` writes exp(z - block max) into the gradient buffer in the compute dtype; after the
-last slab ``scaled_exp_grad`` turns them into the gradient with the rows' lse. Two bytes a
-logit instead of four, so a budget holds ~1.7x the rows: fewer chunks, and fewer re-reads of
-the classifier's gradient, with the same bytes moved per logit.
+Fused (``policy.fast_fuses_exp``: a bf16 / fp16 gradient; not with softcap, entropy, argmax
+or a shard): a Triton GEMM (``logits_exp``) writes each tile's exp(z - tile max) into the
+gradient buffer in the compute dtype, with the tile maxima and partial lse; then
+``scaled_exp_grad`` turns them into the gradient with the rows' lse. No float32 logits: two
+bytes a logit instead of four, so a budget holds ~1.9x the rows (fewer chunks, fewer re-reads
+of the classifier's gradient), and less traffic per logit.
 Mixed precision (``compute_dtype`` rounding float32 inputs, autocast's form): hidden and the
 classifier are rounded once (cuBLAS needs the classifier whole per chunk); classifier
 gradients are written in float32 directly. The chunk size comes from ``policy`` (the memory
@@ -24,7 +24,6 @@ budget). ``triton_path`` (lean mode) re-exports ``fast_forward``, the op's entry
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
@@ -33,7 +32,6 @@ from ..kernels.chunk_softmax_grad import chunk_row_stats, chunk_softmax_grad
 from ..kernels.common import RowLayout, TileConfig, row_layout
 from ..kernels.logits_exp import exp_blocks, logits_exp
 from ..kernels.scaled_exp_grad import scaled_exp_grad
-from ..kernels.slab_exp import SLAB_BLOCK, slab_blocks, slab_exp
 from ..loss_math import RowTargets, finish_loss, row_coefficient_parts
 from . import triton_shared as shared
 from .interface import ForwardOut, HeadInputs, Needs, RowStats, SplitVocabulary
@@ -80,10 +78,9 @@ class _PositionCoefficients:
 
 class _FastBuffers:
     """Fast mode's buffers, filled chunk by chunk of positions: the float32 logits and their
-    gradient over their own memory (or, over slabs of classes, the gradient, one slab of
-    float32 logits and the rows' block maxima and running max and sum), each position's lse,
-    target logit, wsum (and mean logit, argmax where asked), and the gradients for a unit
-    upstream gradient."""
+    gradient over their own memory (or, fused, the gradient, its tile maxima and the rows'
+    partial lse per tile), each position's lse, target logit, wsum (and mean logit, argmax
+    where asked), and the gradients for a unit upstream gradient."""
 
     def __init__(
         self,
@@ -96,13 +93,12 @@ class _FastBuffers:
         entropy: bool,
         argmax: bool,
         split: bool = False,
-        slab: int | None = None,
         fused: TileConfig | None = None,
     ):
         """Room for ``chunk`` positions' logits (``work``: hidden in the compute dtype);
-        ``split``: hidden's gradient is a shard's float32 partial sum; ``slab``: classes per
-        slab of float32 logits (None: whole rows); ``fused``: the GEMM's tiles when it writes
-        the scaled exponentials itself (``logits_exp``)."""
+        ``split``: hidden's gradient is a shard's float32 partial sum; ``fused``: the GEMM's
+        tiles when it writes the scaled exponentials itself (``logits_exp``; None: whole
+        float32 rows)."""
         vocab, dim = head.classifier.shape
         device, n_positions = work.device, layout.n_positions
         rows = min(chunk, max(n_positions, 1))
@@ -110,7 +106,7 @@ class _FastBuffers:
         if fused is not None:
             self._fused_buffers(rows, vocab, shared.work_dtype(work), fused, head, device)
         else:
-            self._logit_buffers(rows, vocab, shared.work_dtype(work), slab, device)
+            self._logit_buffers(rows, vocab, shared.work_dtype(work), device)
         # In hidden's own dtype (the op's output); each chunk's GEMM writes float32 (``stage``)
         # that is rounded once into it: a bf16 GEMM output lets cuBLAS reduce split-K partials
         # in bf16 (allow_bf16_reduced_precision_reduction), which measurably loses accuracy
@@ -143,27 +139,15 @@ class _FastBuffers:
         self.mean_z = torch.empty_like(lse) if entropy else None
         self.argmax = torch.empty_like(lse, dtype=torch.int64) if argmax else None
 
-    def _logit_buffers(self, rows: int, vocab: int, work_dtype, slab: int | None, device):
-        """Whole rows: float32 logits, the gradient in the compute dtype over their own memory.
-        Slabs: the gradient (first the scaled exponentials), one slab's float32 logits (flat:
-        each slab's view is contiguous), block maxima and the running (max, sum) pair."""
-        self.slab, self.block_max, self.running = slab, None, None
-        if slab is None:
-            self.logits = torch.empty((rows, vocab), dtype=torch.float32, device=device)
-            half_width = work_dtype != torch.float32
-            self.grad = self.logits.view(work_dtype)[:, :vocab] if half_width else self.logits
-            return
-        self.block = math.gcd(slab, SLAB_BLOCK)  # SLAB_BLOCK, or a test's narrower slab
-        self.logits = torch.empty(rows * min(slab, vocab), dtype=torch.float32, device=device)
-        self.grad = torch.empty((rows, vocab), dtype=work_dtype, device=device)
-        blocks = slab_blocks(vocab, self.block)
-        self.block_max = torch.empty((rows, blocks), dtype=torch.float32, device=device)
-        self.running = tuple(torch.empty(rows, dtype=torch.float32, device=device) for _ in "ms")
+    def _logit_buffers(self, rows: int, vocab: int, work_dtype, device):
+        """Whole rows: float32 logits, the gradient in the compute dtype over their own memory."""
+        self.logits = torch.empty((rows, vocab), dtype=torch.float32, device=device)
+        half_width = work_dtype != torch.float32
+        self.grad = self.logits.view(work_dtype)[:, :vocab] if half_width else self.logits
 
     def _fused_buffers(self, rows, vocab, work_dtype, config: TileConfig, head, device):
         """The gradient (first the scaled exponentials), its tile maxima, and each row's
         partial lse (and partial weighted sums) per GEMM tile."""
-        self.slab, self.block_max, self.running = None, None, None
         # Rows padded to 16 bytes: the GEMM's epilogue stores its tiles by TMA.
         padded = -(-vocab // 8) * 8
         self.grad = torch.empty((rows, padded), dtype=work_dtype, device=device)[:, :vocab]
@@ -236,17 +220,13 @@ def fast_forward(
     problem = shared.problem(layout, head, hidden)
     if split is not None:  # every rank's chunks alike: one collective each
         problem = dataclasses.replace(problem, vocab=split.share)
-    # Slabs of classes: not where pass 2 would need more of each logit than its scaled
-    # exponential (softcap's derivative, the entropy, the argmax) or the ranks' statistics.
+    # Fused (the GEMM writes scaled exponentials): not where pass 2 would need more of each
+    # logit than that (softcap's derivative, the entropy, the argmax) or the ranks' statistics.
     whole_rows = policy.fast_needs_whole_rows(
         softcap=bool(head.spec.softcap), entropy=entropy, argmax=argmax, split=split is not None
     )
-    budget = head.budget_bytes
     fused = policy.fast_fuses_exp(problem, whole_rows)
-    slab = None
-    if not whole_rows and not fused:
-        slab = policy.fast_slab_columns(problem, needs.classifier, budget)
-    chunk = policy.fast_run_rows(problem, needs.classifier, budget, slab, fused)
+    chunk = policy.fast_run_rows(problem, needs.classifier, head.budget_bytes, fused)
     coefs = _PositionCoefficients.of(head, rows, layout, split)
     out = _FastBuffers(
         head,
@@ -257,7 +237,6 @@ def fast_forward(
         entropy=entropy,
         argmax=argmax,
         split=bool(split),
-        slab=slab,
         fused=shared.config_of(head, hidden) if fused else None,
     )
     for start in range(0, n_positions, chunk):
@@ -273,8 +252,6 @@ def fast_forward(
         )
         if fused:
             _fused_chunk(h, classifier, kernel_args, out, (start, stop))
-        elif slab is not None:
-            _slab_chunk(h, classifier, kernel_args, out, (start, stop))
         else:
             logits = out.logits[: stop - start]
             shared.matmul(h, classifier.t(), out=logits)
@@ -284,52 +261,6 @@ def fast_forward(
                 _shard_chunk(logits, kernel_args, out, (start, stop), split)
         out.add_gradients(start, stop, h, classifier)
     return out.result(head, rows, layout, head.vocab if split is None else split.size)
-
-
-def _slab_chunk(
-    h: torch.Tensor, classifier: torch.Tensor, kernel_args: dict, out: _FastBuffers, span: tuple
-) -> None:
-    """A chunk's logits one slab of classes at a time: each slab's float32 logits (cuBLAS)
-    become their scaled exponentials in the gradient buffer (``slab_exp``); then the rows'
-    lse turns those into the gradient (``scaled_exp_grad``)."""
-    start, stop = span
-    n, vocab = stop - start, classifier.shape[0]
-    grad, block_max = out.grad[:n], out.block_max[:n]
-    running = tuple(r[:n] for r in out.running)
-    lse, target_logit, wsum = (shared.part(s, start, stop) for s in out.stats)
-    shared_args = dict(
-        logit_scale=kernel_args["logit_scale"],
-        class_weights=kernel_args["class_weights"],
-        block=out.block,
-    )
-    for col in range(0, vocab, out.slab):
-        width = min(out.slab, vocab - col)
-        logits = out.logits[: n * width].view(n, width)
-        shared.matmul(h, classifier[col : col + width].t(), out=logits)
-        slab_exp(
-            logits,
-            grad,
-            block_max,
-            kernel_args["targets"],
-            running,
-            (target_logit, wsum),
-            col_start=col,
-            first=col == 0,
-            bias=kernel_args["bias"],
-            **shared_args,
-        )
-    coefs = tuple(kernel_args[k] for k in ("p_base", "p_per_lse", "coef_t", "coef_w"))
-    scaled_exp_grad(
-        grad,
-        block_max,
-        kernel_args["targets"],
-        running,
-        target_logit,
-        coefs,
-        lse,
-        smoothing=kernel_args["smoothing"],
-        **shared_args,
-    )
 
 
 def _fused_chunk(
@@ -364,7 +295,6 @@ def _fused_chunk(
         grad,
         block_max,
         kernel_args["targets"],
-        None,
         target_logit,
         coefs,
         lse,

@@ -214,17 +214,6 @@ def row_coefficients(row, lse, p_base, p_per_lse, coef_t, coef_w, HAS_Z_LOSS: tl
 
 
 @triton.jit
-def merge_max_sum(m_a, s_a, m_b, s_b):
-    """(max, sum of exp(z - max)) of two parts; a part that saw only -inf has sum 0, which
-    it keeps (not exp(-inf - -inf)). A part whose max is -inf may hold NaN logits too (the max
-    skips NaN): its sum is NaN, and it must stay NaN, as PyTorch's loss does."""
-    m = tl.maximum(m_a, m_b)
-    a = tl.where(m_a == float("-inf"), s_a, s_a * tl.exp(m_a - m))
-    b = tl.where(m_b == float("-inf"), s_b, s_b * tl.exp(m_b - m))
-    return m, a + b
-
-
-@triton.jit
 def capped_logits_tile(
     hidden,
     classifier,

@@ -1,9 +1,8 @@
 """Fast mode, pass 2: scaled exponentials -> the logits' gradient.
 
-After pass 1 (``logits_exp`` fused into the GEMM, or ``slab_exp`` slab by slab) each row of a
-token chunk holds e = exp(z - m_b) per class (the chunk's gradient buffer), m_b per block of
-classes, and either its lse or its running max and sum of exp(z) (lse = max + log(sum)). One
-program per row streams the row and writes, over e in place,
+After pass 1 (``logits_exp``, fused into the logits GEMM) each row of a token chunk holds
+e = exp(z - m_b) per class (the chunk's gradient buffer), m_b per block of classes (a GEMM
+tile), and its lse. One program per row streams the row and writes, over e in place,
 
     d loss / d y = (coef_p * p - coef_t * onehot - coef_w * w) * logit_scale,
     p = e * exp(m_b - lse),  coef_p = p_base + p_per_lse * lse,
@@ -20,7 +19,9 @@ import triton
 import triton.language as tl
 
 from .common import row_coefficients
-from .slab_exp import SLAB_BLOCK, slab_blocks
+
+# Classes per program loop step (a power of two: a multiple of ``max_block``).
+BLOCK = 2048
 
 
 @triton.jit
@@ -29,14 +30,12 @@ def _scaled_exp_grad_kernel(
     block_max,
     targets,
     class_weights,
-    run_max,
-    run_sum,
     target_logit,
     p_base,
     p_per_lse,
     coef_t,
     coef_w,
-    lse_out,
+    row_lse,
     vocab,
     stride_exps,
     stride_block_max,
@@ -44,18 +43,13 @@ def _scaled_exp_grad_kernel(
     HAS_WEIGHTS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
-    HAS_RUNNING: tl.constexpr,
     BLOCK: tl.constexpr,
     MAX_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     exp_ptr = exps + row * stride_exps
     max_ptr = block_max + row * stride_block_max
-    if HAS_RUNNING:
-        lse = tl.load(run_max + row) + tl.log(tl.load(run_sum + row))
-        tl.store(lse_out + row, lse)
-    else:
-        lse = tl.load(lse_out + row)
+    lse = tl.load(row_lse + row)
     tgt = tl.load(targets + row)
     p_target = tl.exp(tl.load(target_logit + row) - lse)
     c_p, c_t, c_w, active = row_coefficients(
@@ -87,46 +81,42 @@ def scaled_exp_grad(
     exps: torch.Tensor,
     block_max: torch.Tensor,
     targets: torch.Tensor,
-    running: tuple[torch.Tensor, torch.Tensor] | None,
     target_logit: torch.Tensor,
     coefs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor],
-    lse_out: torch.Tensor,
+    lse: torch.Tensor,
     *,
     logit_scale: float,
     smoothing: bool,
     class_weights: torch.Tensor | None = None,
-    block: int = SLAB_BLOCK,
+    block: int = BLOCK,
     max_block: int | None = None,
     num_warps: int = 8,
 ) -> None:
-    """Pass 2 over a chunk's n rows: ``exps`` (n, V), as ``slab_exp`` left it, becomes the
-    logits' gradient in place; each row's lse is written into ``lse_out``.
+    """Pass 2 over a chunk's n rows: ``exps`` (n, V), as ``logits_exp`` left it, becomes the
+    logits' gradient in place.
 
-    ``block_max`` (n, ceil(V / block)) float32 and ``running`` ((max, sum) of exp, (n,)
-    float32 each) as ``slab_exp`` wrote them with the same ``block``; ``target_logit`` (n,)
-    float32; ``targets`` (n,) int64, each row's target column (clamped for rows without a
-    loss: their coefficients are 0); ``coefs`` = (p_base, p_per_lse or None, coef_t, coef_w),
-    float32 (n,) each, as ``chunk_softmax_grad`` takes them.
-
-    ``running`` None: ``lse_out`` already holds the rows' lse, which is read, not written.
-    ``max_block``: classes per ``block_max`` entry when not ``block`` (a power of two
-    dividing it: ``logits_exp`` writes one per GEMM tile)."""
+    ``block_max`` (n, ceil(V / max_block)) float32, one maximum per ``max_block`` classes (a
+    power of two dividing ``block``, the classes per loop step; default ``block``):
+    ``logits_exp`` writes one per GEMM tile. ``target_logit`` and ``lse`` (the rows' lse,
+    read) (n,) float32; ``targets`` (n,) int64, each row's target column (clamped for rows
+    without a loss: their coefficients are 0); ``coefs`` = (p_base, p_per_lse or None,
+    coef_t, coef_w), float32 (n,) each, as ``chunk_softmax_grad`` takes them."""
     n_rows, vocab = exps.shape
     if exps.stride(1) != 1:
         raise ValueError("exps must be (n, V) with unit column stride")
     max_block = max_block or block
     if block % max_block:
         raise ValueError(f"max_block {max_block} must divide block {block}")
-    blocks = slab_blocks(vocab, max_block)
+    blocks = -(-vocab // max_block)
     if block_max.shape != (n_rows, blocks) or block_max.dtype != torch.float32:
         raise ValueError(f"block_max must be float32 ({n_rows}, {blocks})")
+    # (the program indexes every row vector by its row alone: a strided view would be misread)
     if targets.shape != (n_rows,) or targets.dtype != torch.int64 or not targets.is_contiguous():
         raise ValueError(f"targets must be contiguous int64 ({n_rows},)")
     if class_weights is not None and class_weights.shape != (vocab,):
         raise ValueError(f"class_weights must be ({vocab},)")
     p_base, p_per_lse, coef_t, coef_w = coefs
-    vectors = (*(running or ()), target_logit, p_base, p_per_lse, coef_t, coef_w, lse_out)
-    for t in vectors:
+    for t in (target_logit, p_base, p_per_lse, coef_t, coef_w, lse):
         if t is not None and (
             t.shape != (n_rows,) or t.dtype != torch.float32 or not t.is_contiguous()
         ):
@@ -138,13 +128,12 @@ def scaled_exp_grad(
         block_max,
         targets,
         class_weights.contiguous() if class_weights is not None else p_base,
-        *(running or (lse_out, lse_out)),
         target_logit,
         p_base,
         p_per_lse if p_per_lse is not None else p_base,
         coef_t,
         coef_w,
-        lse_out,
+        lse,
         vocab,
         exps.stride(0),
         block_max.stride(0),
@@ -152,7 +141,6 @@ def scaled_exp_grad(
         HAS_WEIGHTS=class_weights is not None,
         HAS_SMOOTHING=smoothing,
         HAS_Z_LOSS=p_per_lse is not None,
-        HAS_RUNNING=running is not None,
         BLOCK=block,
         MAX_BLOCK=max_block,
         num_warps=num_warps,

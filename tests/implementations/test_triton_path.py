@@ -145,7 +145,7 @@ def test_a_whole_program_of_classes_masked_by_a_minus_inf_bias(mode, smoothing):
         run_and_compare(to_device(case), mode=mode)
 
 
-SLABBED_FAST = {
+FUSED_FAST = {
     "every_option": dict(
         bias=True, class_weights=True, label_smoothing=0.2, z_loss=1e-2, logit_scale=1.3
     ),
@@ -154,43 +154,7 @@ SLABBED_FAST = {
 }
 
 
-@pytest.mark.parametrize("options", SLABBED_FAST.values(), ids=SLABBED_FAST.keys())
-def test_fast_mode_over_slabs_of_classes(monkeypatch, options):
-    """Fast mode's chunks held as scaled exponentials, one slab of float32 logits at a time
-    (slab_exp, scaled_exp_grad): slabs of 16 classes over 45 (a partial last slab), chunks of
-    5 rows, against the oracle; and the slabbed path is the one that ran."""
-    from cce_compile import policy
-    from cce_compile.implementations import triton_fast
-
-    slabs = []
-    monkeypatch.setattr(policy, "fast_slab_columns", lambda *args: 16)
-    monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
-    real_slab_chunk = triton_fast._slab_chunk
-    monkeypatch.setattr(
-        triton_fast, "_slab_chunk", lambda *a: slabs.append(a[-1]) or real_slab_chunk(*a)
-    )
-    case = build_case(leading=(4, 7), dim=18, vocab=45, seed=13, **options)
-    run_and_compare(to_device(case), mode="fast")
-    assert slabs, "fast mode must run over slabs where policy.fast_slab_columns gives some"
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_fast_mode_over_slabs_with_half_width_buffers(monkeypatch, dtype):
-    """On the GPU the scaled exponentials are rounded to bf16 / fp16 (the point of slabs); the
-    interpreter's buffers are float32 (``work_dtype``), so the end-to-end slab tests never see
-    that rounding: here the buffers take the inputs' dtype, as on the GPU."""
-    from cce_compile import policy
-    from cce_compile.implementations import triton_shared
-
-    monkeypatch.setattr(triton_shared, "work_dtype", lambda tensor: tensor.dtype)
-    monkeypatch.setattr(policy, "fast_slab_columns", lambda *args: 16)
-    monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
-    options = SLABBED_FAST["every_option"]
-    case = build_case(leading=(4, 7), dim=18, vocab=45, dtype=dtype, scale=4.0, seed=13, **options)
-    run_and_compare(to_device(case), mode="fast")
-
-
-@pytest.mark.parametrize("options", SLABBED_FAST.values(), ids=SLABBED_FAST.keys())
+@pytest.mark.parametrize("options", FUSED_FAST.values(), ids=FUSED_FAST.keys())
 def test_fast_mode_with_exponentials_from_the_gemm(monkeypatch, options):
     """Fast mode's chunks as scaled exponentials written by the logits GEMM's epilogue
     (logits_exp, scaled_exp_grad): chunks of 5 rows over 45 classes (the interpreter's
@@ -220,7 +184,7 @@ def test_fast_mode_with_exponentials_from_the_gemm_in_half_width(monkeypatch, dt
     monkeypatch.setattr(triton_shared, "work_dtype", lambda tensor: tensor.dtype)
     monkeypatch.setattr(policy, "fast_fuses_exp", lambda *args: True)
     monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
-    options = SLABBED_FAST["every_option"]
+    options = FUSED_FAST["every_option"]
     case = build_case(leading=(4, 7), dim=18, vocab=45, dtype=dtype, scale=4.0, seed=13, **options)
     run_and_compare(to_device(case), mode="fast")
 
@@ -231,7 +195,7 @@ def test_fast_mode_whole_rows_with_a_minus_inf_bias_before_finite_logits(monkeyp
     after it kept (NaN * 0): NaN loss and gradients where PyTorch's are finite."""
     from cce_compile import policy
 
-    monkeypatch.setattr(policy, "fast_slab_columns", lambda *args: None)
+    monkeypatch.setattr(policy, "fast_fuses_exp", lambda *args: False)
     case = build_case(leading=(1, 3), dim=8, vocab=4106, bias=True, ignored_fraction=0.0, seed=5)
     case.bias[:5] = float("-inf")  # masked classes at the front: lanes 0-4 see them first
     case.targets[case.targets < 5] = 100
@@ -244,7 +208,7 @@ NAN_LOGITS = {
 }
 
 
-@pytest.mark.parametrize("form", [None, 16, "fused"], ids=["whole-rows", "slabs", "fused"])
+@pytest.mark.parametrize("form", ["whole-rows", "fused"])
 @pytest.mark.parametrize("where", NAN_LOGITS.values(), ids=NAN_LOGITS.keys())
 def test_fast_mode_propagates_a_nan_logit(monkeypatch, form, where):
     """A NaN logit makes every row's loss NaN in PyTorch (it is in every row's lse). The
@@ -254,7 +218,6 @@ def test_fast_mode_propagates_a_nan_logit(monkeypatch, form, where):
     from cce_compile import policy
 
     monkeypatch.setattr(policy, "fast_fuses_exp", lambda *args: form == "fused")
-    monkeypatch.setattr(policy, "fast_slab_columns", lambda *args: form)
     monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
     case = build_case(
         leading=(2, 7), dim=12, vocab=45, bias=True, ignored_fraction=0.0, reduction="sum", seed=5
@@ -274,14 +237,12 @@ def test_fast_mode_propagates_a_nan_logit(monkeypatch, form, where):
     assert torch.isnan(loss), f"loss {loss.item()} where PyTorch's is NaN"
 
 
-def test_fast_mode_keeps_whole_rows_where_slabs_cannot_serve(monkeypatch):
+def test_fast_mode_keeps_whole_rows_where_the_fused_form_cannot_serve(monkeypatch):
     """softcap's derivative needs each logit, not its scaled exponential: whole float32 rows."""
     from cce_compile import policy
     from cce_compile.implementations import triton_fast
 
-    monkeypatch.setattr(policy, "fast_slab_columns", lambda *args: 16)
     monkeypatch.setattr(policy, "fast_fuses_exp", lambda problem, whole_rows: not whole_rows)
-    monkeypatch.setattr(triton_fast, "_slab_chunk", lambda *a: pytest.fail("slabs with softcap"))
     monkeypatch.setattr(triton_fast, "_fused_chunk", lambda *a: pytest.fail("fused with softcap"))
     case = build_case(leading=(2, 7), dim=18, vocab=45, softcap=5.0, seed=14)
     run_and_compare(to_device(case), mode="fast")

@@ -64,7 +64,6 @@ def _run_fused(
         exps,
         block_max,
         targets,
-        None,
         target_logit,
         coefs,
         lse,
@@ -205,3 +204,49 @@ def test_logits_exp_rejects_mismatched_buffers(bad):
         args["partial_lse"] = args["partial_lse"][1:]
     with pytest.raises(ValueError):
         logits_exp(**args, logit_scale=1.0, config=config)
+
+
+def _every_other(t):
+    """A strided (n,) view with t's values: what a program indexing by row would misread."""
+    wide = torch.zeros(2 * t.shape[0], dtype=t.dtype, device=t.device)
+    wide[::2] = t
+    return wide[::2]
+
+
+SCALED_EXP_GRAD_MISMATCHES = {
+    "strided_targets": "contiguous",
+    "strided_target_logit": "contiguous",
+    "strided_lse": "contiguous",
+    "block_max_shape": "block_max",
+    "max_block": "must divide",
+}
+
+
+@pytest.mark.parametrize(
+    "bad, match", SCALED_EXP_GRAD_MISMATCHES.items(), ids=SCALED_EXP_GRAD_MISMATCHES.keys()
+)
+def test_scaled_exp_grad_rejects_mismatched_buffers(bad, match):
+    """The program reads row i's target, target logit and lse at offset i: a strided view
+    (targets[::2]) would be read as its storage's first n elements, silently wrong. The block
+    maxima must match their granularity, which must divide the loop's block."""
+    from cce_compile.kernels.scaled_exp_grad import scaled_exp_grad
+
+    n, vocab, block, max_block = 4, 32, 16, 8
+    row = lambda: torch.zeros(n, device=DEVICE)  # noqa: E731
+    args = dict(
+        exps=torch.zeros(n, vocab, device=DEVICE),
+        block_max=torch.zeros(n, vocab // max_block, device=DEVICE),
+        targets=torch.tensor([3, 7, 20, 31], device=DEVICE),
+        target_logit=row(),
+        coefs=(row(), None, row(), row()),
+        lse=row(),
+    )
+    if bad.startswith("strided"):
+        name = bad.removeprefix("strided_")
+        args[name] = _every_other(args[name])
+    elif bad == "block_max_shape":
+        args["block_max"] = torch.zeros(n, vocab // block, device=DEVICE)
+    else:
+        max_block = 3 * block
+    with pytest.raises(ValueError, match=match):
+        scaled_exp_grad(**args, logit_scale=1.0, smoothing=False, block=block, max_block=max_block)
