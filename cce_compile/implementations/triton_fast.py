@@ -226,6 +226,10 @@ def fast_forward(
         softcap=bool(head.spec.softcap), entropy=entropy, argmax=argmax, split=split is not None
     )
     fused = policy.fast_fuses_exp(problem, whole_rows)
+    if fused and classifier.stride(1) != 1:
+        # The fused GEMM loads classifier rows by TMA: a (D, V)-stored head (W.t(), Conv1D)
+        # is copied once, as lean's GEMMs copy it (kernels/common.check_operands).
+        classifier = classifier.contiguous()
     chunk = policy.fast_run_rows(problem, needs.classifier, head.budget_bytes, fused)
     coefs = _PositionCoefficients.of(head, rows, layout, split)
     out = _FastBuffers(

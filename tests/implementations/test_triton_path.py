@@ -174,6 +174,29 @@ def test_fast_mode_with_exponentials_from_the_gemm(monkeypatch, options):
     assert chunks, "fast mode must take the fused path where policy.fast_fuses_exp says so"
 
 
+def test_fast_mode_with_exponentials_from_the_gemm_of_a_transposed_classifier(monkeypatch):
+    """A head stored (D, V) and used transposed (Conv1D, ``h @ W``): the classifier's column
+    stride is V. The fused GEMM needs unit column strides; it raised "h and classifier need
+    unit column strides" instead of computing (break run 15). Under autocast the rounded copy
+    keeps those strides, so the same line serves both."""
+    from cce_compile import policy
+    from cce_compile.implementations import triton_fast, triton_shared
+
+    chunks = []
+    monkeypatch.setattr(triton_shared, "work_dtype", lambda tensor: tensor.dtype)
+    monkeypatch.setattr(policy, "fast_fuses_exp", lambda problem, whole_rows: not whole_rows)
+    monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
+    real_fused_chunk = triton_fast._fused_chunk
+    monkeypatch.setattr(
+        triton_fast, "_fused_chunk", lambda *a: chunks.append(a[-1]) or real_fused_chunk(*a)
+    )
+    case = build_case(leading=(3, 5), dim=16, vocab=40, dtype=torch.bfloat16, scale=4.0, seed=21)
+    case.classifier = case.classifier.t().contiguous().t()  # strides (1, V)
+    assert case.classifier.stride(1) != 1
+    run_and_compare(to_device(case), mode="fast")
+    assert chunks, "the fused path must have run"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_fast_mode_with_exponentials_from_the_gemm_in_half_width(monkeypatch, dtype):
     """The GPU's form: bf16 / fp16 operands and scaled exponentials (the interpreter's buffers
