@@ -183,9 +183,10 @@ def finish_loss(
     if eps > 0.0:
         assert wsum is not None
         smooth = (eps / vocab) * (rows.weight_total * lse - wsum)
-        # where(), not a product: a non-finite logit on an ignored row must not leak into the loss.
-        smooth = torch.where(rows.valid, smooth, 0.0)
+    # where(), not a product: a non-finite logit on an ignored row must not leak into the loss.
     per_row = torch.where(rows.valid, per_row, 0.0)
+    if smooth is not None:
+        smooth = torch.where(rows.valid, smooth, 0.0)
     z_term = torch.where(rows.valid, spec.z_loss * lse * lse, 0.0) if spec.z_loss else None
     # Out-of-range targets (GPU, unchecked) must never give a plausible number.
     per_row = torch.where(rows.out_of_range, float("nan"), per_row)

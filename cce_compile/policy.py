@@ -71,6 +71,9 @@ MIN_SLAB_MACS = 2**35
 # 10% of its rows skipped and no faster with 50%; E (2^42) 6% and 47% faster (H200, session 11,
 # bench/results/sft_masking.md). On a CPU the sync costs nothing.
 MIN_SKIP_MACS = 2**39
+# The narrowest GEMM tile (classes) of ``implementations.triton_shared.tile_config`` on a GPU:
+# fast mode's fused chunks hold a few float32 values per tile and row (``fast_row_bytes``).
+FUSED_TILE_MIN_CLASSES = 128
 # The smallest budget: tiny problems (tests, the CPU demo's first steps) still get chunks of
 # useful size.
 MIN_BUDGET = 1 << 20
@@ -120,17 +123,20 @@ def fast_needs_whole_rows(*, softcap: bool, entropy: bool, argmax: bool, split: 
 
 def fast_fuses_exp(problem: Problem, whole_rows: bool) -> bool:
     """Does a fast-mode chunk take its scaled exponentials from the logits GEMM's epilogue
-    (kernels/logits_exp.py)? Unless it needs whole rows (``fast_needs_whole_rows``), where its
-    gradient is bf16 / fp16: a float32 one gains no bytes."""
-    return problem.logit_bytes == 2 and not whole_rows
+    (kernels/logits_exp.py)? On a GPU, unless it needs whole rows (``fast_needs_whole_rows``),
+    where its gradient is bf16 / fp16: a float32 one gains no bytes."""
+    return problem.device_type == "cuda" and problem.logit_bytes == 2 and not whole_rows
 
 
 def fast_row_bytes(problem: Problem, fused: bool = False) -> int:
     """A fast-mode chunk's bytes per row: its float32 logits and float32 hidden gradient; or,
-    ``fused`` (``fast_fuses_exp``), its scaled exponentials in the compute dtype with at most 3
-    float32 values per 128 classes (tile maxima, partials) instead of the float32 logits."""
+    ``fused`` (``fast_fuses_exp``), its scaled exponentials in the compute dtype (rows padded to
+    8 elements) and at most 3 float32 values per tile of ``FUSED_TILE_MIN_CLASSES`` classes
+    (tile maxima, partial lse and weighted sums) instead of the float32 logits."""
     if fused:
-        return problem.vocab * problem.logit_bytes + (problem.vocab * 3) // 32 + 8 + problem.dim * 4
+        padded = -(-problem.vocab // 8) * 8
+        tiles = -(-problem.vocab // FUSED_TILE_MIN_CLASSES)
+        return padded * problem.logit_bytes + tiles * 3 * 4 + problem.dim * 4
     return (problem.vocab + problem.dim) * 4
 
 

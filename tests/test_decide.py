@@ -163,6 +163,71 @@ def test_mode_explicit_fast_without_a_scalar_loss_is_an_error_and_filtering_take
         assert decide.mode(None, problem, grad_filter=None, reduction="none", **call) == "lean"
 
 
+WHOLE_ROW_FLAGS = ["softcap", "entropy", "argmax", "split"]
+
+
+@pytest.mark.parametrize("flag", WHOLE_ROW_FLAGS)
+def test_mode_sizes_fast_chunks_by_the_form_the_call_takes(flag):
+    """A budget that holds auto's floor of fused rows (bf16 exponentials) but not of whole
+    float32 rows: fast for a plain call, lean for one that needs whole rows."""
+    problem = policy.problem(8192, (128256, 4096), torch.bfloat16, False, "cuda")
+    floor = policy.fast_floor_rows(problem, True)
+    megabytes = floor * policy.fast_row_bytes(problem, fused=True) // 2**20 + 1
+    assert megabytes * 2**20 < floor * policy.fast_row_bytes(problem)
+    call = dict(needs=dict(grad_hidden=True, grad_classifier=True, grad_bias=False))
+    with config.override(memory_budget_mb=megabytes, mode="auto"):
+        assert decide.mode(None, problem, reduction="mean", **call) == "fast"
+        assert decide.mode(None, problem, reduction="mean", **call, **{flag: True}) == "lean"
+
+
+@pytest.mark.parametrize(
+    ("options", "flags"),
+    [
+        (dict(), dict(softcap=False, entropy=False, argmax=False)),
+        (dict(softcap=5.0), dict(softcap=True)),
+        (dict(return_entropy=True), dict(entropy=True)),
+        (dict(return_argmax=True), dict(argmax=True)),
+    ],
+    ids=["plain", "softcap", "entropy", "argmax"],
+)
+def test_the_function_tells_mode_what_forces_whole_rows(monkeypatch, options, flags):
+    """``linear_cross_entropy`` passes what a fast run would compute to ``decide.mode``."""
+    seen = {}
+    real_mode = decide.mode
+
+    def recording_mode(*args, **kwargs):
+        seen.update(kwargs)
+        return real_mode(*args, **kwargs)
+
+    monkeypatch.setattr(decide, "mode", recording_mode)
+    hidden, classifier, targets = _tensors(rows=6, dim=4, vocab=9)
+    cce_compile.linear_cross_entropy(hidden, classifier, targets, **options)
+    assert {k: seen.get(k, False) for k in flags} == flags
+
+
+def test_the_pass_tells_mode_about_a_softcap(monkeypatch):
+    """The graph pass passes a site's softcap to ``decide.mode`` (whole rows in fast mode)."""
+    import torch.nn.functional as F
+
+    seen = []
+    real_mode = decide.mode
+
+    def recording_mode(*args, **kwargs):
+        seen.append(kwargs.get("softcap", False))
+        return real_mode(*args, **kwargs)
+
+    monkeypatch.setattr(decide, "mode", recording_mode)
+
+    def loss(x, w, y):
+        return F.cross_entropy(torch.tanh((x @ w.t()) / 5.0) * 5.0, y)
+
+    hidden, classifier, targets = _tensors(rows=6, dim=4, vocab=9)
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, backend="cce")
+    compiled(hidden.flatten(0, 1).requires_grad_(), classifier, targets.flatten())
+    assert seen == [True]
+
+
 def test_compaction_follows_the_setting_in_both_doors():
     with config.override(skip_ignored=False):
         assert not decide.compacts_ignored_rows() and not decide.site_compacts_ignored_rows()

@@ -218,5 +218,23 @@ def test_fused_fast_chunks_hold_more_rows_within_the_same_budget():
     default = policy.budget_bytes(E, None, 0.2)
     rows = policy.fast_chunk_rows(E, default, fused=True)
     assert rows > 1.8 * policy.fast_chunk_rows(E, default)
-    assert rows * FUSED_ROW <= default
     assert policy.fast_run_rows(E, True, default, fused=True) == rows
+
+
+@pytest.mark.parametrize("dim", [512, 2048, 2304, 4096])
+@pytest.mark.parametrize("heavy", [False, True], ids=["plain", "heavy"])
+def test_fused_row_bytes_cover_what_a_fused_chunk_allocates(dim, heavy):
+    """``fast_row_bytes(fused=True)`` against the buffers ``triton_fast._FastBuffers`` makes per
+    row on a GPU: the padded bf16 row, tile maxima, partial lse and (label smoothing) partial
+    weighted sums per ``logits_exp`` tile of the GPU's tile configuration, and d hidden."""
+    import torch
+
+    from cce_compile.implementations.triton_shared import tile_config
+    from cce_compile.kernels.logits_exp import exp_blocks
+
+    config = tile_config(torch.device("cuda"), heavy, 2, dim=dim)
+    assert config.block_v >= policy.FUSED_TILE_MIN_CLASSES
+    for vocab in (1, 7, 127, 128, 129, 32000, 50257, 128256, 256000):
+        problem = Problem(rows=64, vocab=vocab, dim=dim, logit_bytes=2)
+        allocated = -(-vocab // 8) * 8 * 2 + exp_blocks(vocab, config) * 4 * 3 + dim * 4
+        assert allocated <= policy.fast_row_bytes(problem, fused=True), vocab

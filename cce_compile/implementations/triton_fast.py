@@ -93,18 +93,18 @@ class _FastBuffers:
         entropy: bool,
         argmax: bool,
         split: bool = False,
-        fused: TileConfig | None = None,
+        fused_tiles: TileConfig | None = None,
     ):
         """Room for ``chunk`` positions' logits (``work``: hidden in the compute dtype);
-        ``split``: hidden's gradient is a shard's float32 partial sum; ``fused``: the GEMM's
+        ``split``: hidden's gradient is a shard's float32 partial sum; ``fused_tiles``: the GEMM's
         tiles when it writes the scaled exponentials itself (``logits_exp``; None: whole
         float32 rows)."""
         vocab, dim = head.classifier.shape
         device, n_positions = work.device, layout.n_positions
         rows = min(chunk, max(n_positions, 1))
-        self.fused = fused
-        if fused is not None:
-            self._fused_buffers(rows, vocab, shared.work_dtype(work), fused, head, device)
+        self.fused_tiles = fused_tiles
+        if fused_tiles is not None:
+            self._fused_buffers(rows, vocab, shared.work_dtype(work), fused_tiles, head, device)
         else:
             self._logit_buffers(rows, vocab, shared.work_dtype(work), device)
         # In hidden's own dtype (the op's output); each chunk's GEMM writes float32 (``stage``)
@@ -228,8 +228,11 @@ def fast_forward(
     fused = policy.fast_fuses_exp(problem, whole_rows)
     if fused and classifier.stride(1) != 1:
         # The fused GEMM loads classifier rows by TMA: a (D, V)-stored head (W.t(), Conv1D)
-        # is copied once, as lean's GEMMs copy it (kernels/common.check_operands).
-        classifier = classifier.contiguous()
+        # is copied row-major, as lean's GEMMs copy it (kernels/common.check_operands); under
+        # AMP the transposed rounded copy is dropped after it. Not counted by the policy,
+        # which sees no strides.
+        contiguous = torch.empty_like(classifier, memory_format=torch.contiguous_format)
+        classifier = contiguous.copy_(head.classifier)
     chunk = policy.fast_run_rows(problem, needs.classifier, head.budget_bytes, fused)
     coefs = _PositionCoefficients.of(head, rows, layout, split)
     out = _FastBuffers(
@@ -241,7 +244,7 @@ def fast_forward(
         entropy=entropy,
         argmax=argmax,
         split=bool(split),
-        fused=shared.config_of(head, hidden) if fused else None,
+        fused_tiles=shared.config_of(head, hidden) if fused else None,
     )
     for start in range(0, n_positions, chunk):
         stop = min(start + chunk, n_positions)
@@ -289,7 +292,7 @@ def _fused_chunk(
         logit_scale=kernel_args["logit_scale"],
         bias=kernel_args["bias"],
         class_weights=kernel_args["class_weights"],
-        config=out.fused,
+        config=out.fused_tiles,
     )
     torch.logsumexp(out.partial_lse[:n], 1, out=lse)
     if partial_wsum is not None:
@@ -305,7 +308,7 @@ def _fused_chunk(
         logit_scale=kernel_args["logit_scale"],
         smoothing=kernel_args["smoothing"],
         class_weights=kernel_args["class_weights"],
-        max_block=out.fused.block_v,
+        max_block=out.fused_tiles.block_v,
     )
 
 

@@ -7,6 +7,9 @@
 * ``chunk_softmax_grad``: turns a chunk of materialised logits into its gradient in place, with
   per-row statistics (fast mode); over a vocabulary shard, its two passes run apart
   (``chunk_row_stats``, then the gradient with a given lse).
+* ``logits_exp``: fast mode's logits GEMM whose epilogue writes each chunk's exp(z - tile max)
+  in the compute dtype, with per-tile maxima and partial lse (no float32 logits).
+* ``scaled_exp_grad``: turns those exponentials into the gradient in place, with each row's lse.
 * ``scale_cast``: (x * scale).to(dtype) in one pass: fast mode's backward scaling its float32
   unit-upstream gradients by the upstream gradient.
 

@@ -13,10 +13,9 @@ logit; with label smoothing each tile writes its sum_j w_j z_j (``partial_wsum``
 ``scaled_exp_grad`` then turns e into the gradient with the rows' lse (the partials'
 logsumexp).
 
-So a logit costs the GEMM's write of two bytes, where cuBLAS's float32 logits and a pass that
-rescaled them (session 14's slabs of classes, since removed) moved ten, and a chunk is one
-launch instead of two per slab. Accuracy: e is rounded once (relative 2^-8 at worst), and the
-target's entry is recomputed in pass 2 from its float32 logit.
+So a logit costs the GEMM's write of two bytes, and a chunk is one launch. Accuracy: e is
+rounded once (relative 2^-8 at worst), and the target's entry is recomputed in pass 2 from its
+float32 logit.
 """
 
 from __future__ import annotations

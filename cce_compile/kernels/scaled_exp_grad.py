@@ -60,10 +60,8 @@ def _scaled_exp_grad_kernel(
         cols = start + offs
         ok = cols < vocab
         e = tl.load(exp_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        if MAX_BLOCK == BLOCK:
-            m_b = tl.load(max_ptr + start // BLOCK)
-        else:  # several maxima per block (``logits_exp``'s tiles): gathered, from L1
-            m_b = tl.load(max_ptr + cols // MAX_BLOCK, mask=ok, other=0.0)
+        # one maximum per MAX_BLOCK classes (``logits_exp``'s tiles): gathered, from L1
+        m_b = tl.load(max_ptr + cols // MAX_BLOCK, mask=ok, other=0.0)
         p = e * tl.exp(m_b - lse)
         is_target = cols == tgt
         p = tl.where(is_target, p_target, p)
@@ -88,28 +86,29 @@ def scaled_exp_grad(
     logit_scale: float,
     smoothing: bool,
     class_weights: torch.Tensor | None = None,
+    max_block: int,
     block: int = BLOCK,
-    max_block: int | None = None,
     num_warps: int = 8,
 ) -> None:
     """Pass 2 over a chunk's n rows: ``exps`` (n, V), as ``logits_exp`` left it, becomes the
     logits' gradient in place.
 
     ``block_max`` (n, ceil(V / max_block)) float32, one maximum per ``max_block`` classes (a
-    power of two dividing ``block``, the classes per loop step; default ``block``):
+    power of two dividing ``block``, the classes per loop step):
     ``logits_exp`` writes one per GEMM tile. ``target_logit`` and ``lse`` (the rows' lse,
     read) (n,) float32; ``targets`` (n,) int64, each row's target column (clamped for rows
     without a loss: their coefficients are 0); ``coefs`` = (p_base, p_per_lse or None,
     coef_t, coef_w), float32 (n,) each, as ``chunk_softmax_grad`` takes them."""
     n_rows, vocab = exps.shape
-    if exps.stride(1) != 1:
-        raise ValueError("exps must be (n, V) with unit column stride")
-    max_block = max_block or block
+    if exps.stride(1) != 1 or not exps.dtype.is_floating_point:
+        raise ValueError("exps must be floating (n, V) with unit column stride")
     if block % max_block:
         raise ValueError(f"max_block {max_block} must divide block {block}")
     blocks = -(-vocab // max_block)
     if block_max.shape != (n_rows, blocks) or block_max.dtype != torch.float32:
         raise ValueError(f"block_max must be float32 ({n_rows}, {blocks})")
+    if block_max.stride(1) != 1:
+        raise ValueError("block_max needs a unit column stride")
     # (the program indexes every row vector by its row alone: a strided view would be misread)
     if targets.shape != (n_rows,) or targets.dtype != torch.int64 or not targets.is_contiguous():
         raise ValueError(f"targets must be contiguous int64 ({n_rows},)")

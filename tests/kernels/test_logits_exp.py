@@ -1,6 +1,6 @@
 """Fast mode's fused passes (``logits_exp`` in the GEMM, then ``scaled_exp_grad``) against float64.
 
-The GEMM's epilogue writes exp(z - tile max), the tile maxima, partial lse per program, the
+The GEMM's epilogue writes exp(z - tile max), the tile maxima, partial lse per tile, the
 target logit and partial weighted sums; with the rows' lse (the partials' logsumexp) pass 2
 must give the logits' gradient as ``chunk_softmax_grad`` defines it: (coef_p * softmax -
 coef_t * onehot - coef_w * w) * logit_scale, coef_p = p_base + p_per_lse * lse. On CPU the
@@ -86,7 +86,12 @@ CASES = {
     "strided_h": dict(strided=True),
     "one_tile": dict(vocab=13),
     "padded_rows": dict(padded=True),
+    "bf16": dict(dtype=torch.bfloat16, padded=True, bias=True),
 }
+# Rounding of the buffers: float32 math where they are float32; where they are bf16, e and then
+# the gradient are rounded once each, each by up to one ulp (2^-7 relative at a binade's foot:
+# the interpreter truncates; a GPU rounds to nearest, half that).
+ROUNDING = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-6, atol=1e-5)}
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
@@ -98,6 +103,8 @@ def test_fused_passes_match_float64(case):
     h = wide[:, :dim] if case.get("strided") else wide[:, :dim].contiguous()
     classifier = torch.randn(vocab, dim, generator=gen) / 2
     bias = torch.randn(vocab, generator=gen) if case.get("bias") else None
+    dtype = case.get("dtype", torch.float32)
+    h, classifier, bias = (None if t is None else t.to(dtype) for t in (h, classifier, bias))
     if case.get("inf_tile"):  # a whole tile (and program) of classes masked out by its bias
         bias[32:64] = float("-inf")
     weights = torch.rand(vocab, generator=gen) if case.get("weights") else None
@@ -134,20 +141,21 @@ def test_fused_passes_match_float64(case):
         bias=move(bias),
         weights=move(weights),
         smoothing=smoothing,
-        exp_dtype=torch.float32,
+        exp_dtype=dtype,
         padded=bool(case.get("padded")),
     )
+    tol = ROUNDING[dtype]
     # Pass 1's exponentials are exp(z - m_t) with m_t their tile's row max (0 if all -inf).
     tile = block_max.shape[1] and -(-vocab // block_max.shape[1])
     m_t = block_max.cpu().double().repeat_interleave(tile, 1)[:, :vocab]
-    torch.testing.assert_close(first.cpu().double(), torch.exp(z - m_t), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(first.cpu().double(), torch.exp(z - m_t), **tol)
     torch.testing.assert_close(got_lse.cpu().double(), lse, rtol=1e-5, atol=1e-5)
     target_z = z.gather(1, targets[:, None])[:, 0]
     torch.testing.assert_close(got_target.cpu().double(), target_z, rtol=1e-5, atol=1e-5)
     if smoothing:
         wz = torch.where(w > 0, w * z, 0.0).sum(1)
         torch.testing.assert_close(got_wsum.cpu().double(), wz, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(got.cpu().double(), g, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.cpu().double(), g, **tol)
 
 
 def test_fused_pass_propagates_nan_logits():
