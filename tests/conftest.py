@@ -59,3 +59,20 @@ def skip_at_any_size(monkeypatch):
     from cce_compile import policy
 
     monkeypatch.setattr(policy, "MIN_SKIP_MACS", 0)
+
+
+@pytest.fixture
+def mode_calls(monkeypatch):
+    """The keyword arguments of every ``decide.mode`` call from here on, in order (the mode
+    is still decide's own)."""
+    from cce_compile import decide
+
+    calls: list[dict] = []
+    real_mode = decide.mode
+
+    def recording_mode(*args, **kwargs):
+        calls.append(kwargs)
+        return real_mode(*args, **kwargs)
+
+    monkeypatch.setattr(decide, "mode", recording_mode)
+    return calls

@@ -190,33 +190,17 @@ def test_mode_sizes_fast_chunks_by_the_form_the_call_takes(flag):
     ],
     ids=["plain", "softcap", "entropy", "argmax"],
 )
-def test_the_function_tells_mode_what_forces_whole_rows(monkeypatch, options, flags):
+def test_the_function_tells_mode_what_forces_whole_rows(mode_calls, options, flags):
     """``linear_cross_entropy`` passes what a fast run would compute to ``decide.mode``."""
-    seen = {}
-    real_mode = decide.mode
-
-    def recording_mode(*args, **kwargs):
-        seen.update(kwargs)
-        return real_mode(*args, **kwargs)
-
-    monkeypatch.setattr(decide, "mode", recording_mode)
     hidden, classifier, targets = _tensors(rows=6, dim=4, vocab=9)
     cce_compile.linear_cross_entropy(hidden, classifier, targets, **options)
+    (seen,) = mode_calls
     assert {k: seen.get(k, False) for k in flags} == flags
 
 
-def test_the_pass_tells_mode_about_a_softcap(monkeypatch):
+def test_the_pass_tells_mode_about_a_softcap(mode_calls):
     """The graph pass passes a site's softcap to ``decide.mode`` (whole rows in fast mode)."""
     import torch.nn.functional as F
-
-    seen = []
-    real_mode = decide.mode
-
-    def recording_mode(*args, **kwargs):
-        seen.append(kwargs.get("softcap", False))
-        return real_mode(*args, **kwargs)
-
-    monkeypatch.setattr(decide, "mode", recording_mode)
 
     def loss(x, w, y):
         return F.cross_entropy(torch.tanh((x @ w.t()) / 5.0) * 5.0, y)
@@ -225,7 +209,7 @@ def test_the_pass_tells_mode_about_a_softcap(monkeypatch):
     torch._dynamo.reset()
     compiled = torch.compile(loss, backend="cce")
     compiled(hidden.flatten(0, 1).requires_grad_(), classifier, targets.flatten())
-    assert seen == [True]
+    assert [call.get("softcap", False) for call in mode_calls] == [True]
 
 
 def test_compaction_follows_the_setting_in_both_doors():

@@ -231,8 +231,7 @@ def fast_forward(
         # is copied row-major, as lean's GEMMs copy it (kernels/common.check_operands); under
         # AMP the transposed rounded copy is dropped after it. Not counted by the policy,
         # which sees no strides.
-        contiguous = torch.empty_like(classifier, memory_format=torch.contiguous_format)
-        classifier = contiguous.copy_(head.classifier)
+        classifier = classifier.contiguous()
     chunk = policy.fast_run_rows(problem, needs.classifier, head.budget_bytes, fused)
     coefs = _PositionCoefficients.of(head, rows, layout, split)
     out = _FastBuffers(

@@ -99,21 +99,11 @@ def test_a_one_rank_group_must_hold_the_whole_vocabulary():
             dist.destroy_process_group()
 
 
-def test_the_vocabulary_parallel_function_tells_mode_its_rows_are_split(monkeypatch):
+def test_the_vocabulary_parallel_function_tells_mode_its_rows_are_split(mode_calls):
     """``decide.mode`` hears ``split=True``: a shard's fast chunks are whole float32 rows (its
     statistics cross the ranks), so auto sizes them so (``policy.fast_needs_whole_rows``)."""
     import torch.distributed as dist
 
-    from cce_compile import decide
-
-    seen = {}
-    real_mode = decide.mode
-
-    def recording_mode(*args, **kwargs):
-        seen.update(kwargs)
-        return real_mode(*args, **kwargs)
-
-    monkeypatch.setattr(decide, "mode", recording_mode)
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
@@ -122,4 +112,4 @@ def test_the_vocabulary_parallel_function_tells_mode_its_rows_are_split(monkeypa
     finally:
         if created:
             dist.destroy_process_group()
-    assert seen.get("split") is True
+    assert [call.get("split") for call in mode_calls] == [True]
