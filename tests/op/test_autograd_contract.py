@@ -66,8 +66,10 @@ def _check(name, got, want, precision):
 
 
 def _eager_loss(mode: str):
+    op_mode = "fast" if mode == "fused" else mode
+
     def loss(hidden, classifier, targets):
-        return cce_compile.linear_cross_entropy(hidden, classifier, targets, mode=mode)
+        return cce_compile.linear_cross_entropy(hidden, classifier, targets, mode=op_mode)
 
     return loss
 
@@ -108,7 +110,9 @@ class Loss:
             return self.fn(hidden, classifier, targets)
 
 
-MODES = ["lean", "fast"]
+# "fused": fast mode on the Triton path (the interpreter on CPU) with the chunk's exponentials
+# from the logits GEMM's epilogue, in the compute dtype, over chunks of 5 rows: the GPU's form.
+MODES = ["lean", "fast", "fused"]
 RUNS = [
     pytest.param(
         (mode, compiled, precision), id=f"{mode}-{'compiled' if compiled else 'eager'}-{precision}"
@@ -120,9 +124,26 @@ RUNS = [
 
 
 @pytest.fixture(params=RUNS)
-def run(request):
+def run(request, monkeypatch):
     mode, compiled, precision = request.param
-    return Loss(mode, compiled, precision)
+    chunks = _force_fused_form(monkeypatch) if mode == "fused" else None
+    yield Loss(mode, compiled, precision)
+    assert chunks is None or chunks, "the fused form must have run"
+
+
+def _force_fused_form(monkeypatch):
+    from cce_compile import policy
+    from cce_compile.implementations import triton_fast, triton_path, triton_shared
+    from cce_compile.op import dispatch
+
+    monkeypatch.setattr(dispatch, "implementation_for", lambda device: triton_path)
+    monkeypatch.setattr(triton_shared, "work_dtype", lambda tensor: tensor.dtype)
+    monkeypatch.setattr(policy, "fast_fuses_exp", lambda problem, whole_rows: not whole_rows)
+    monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
+    chunks = []
+    real = triton_fast._fused_chunk
+    monkeypatch.setattr(triton_fast, "_fused_chunk", lambda *a: chunks.append(1) or real(*a))
+    return chunks
 
 
 def test_non_unit_upstream_gradient(run):
