@@ -131,6 +131,7 @@ def logit_stats(
     hidden = shared.rounded(head.compute_dtype, head.hidden)
     config = shared.config_of(head, hidden)
     layout = row_layout(hidden, spec.shift)
+    hidden = layout.matrix  # the layout's copy, where it makes one: once, not per slab
     tile = config.block_v * config.tiles_per_program
     problem = shared.problem(layout, head, hidden)
     width = _tile_width(policy.forward_slab_columns(problem, head.budget_bytes), tile, vocab)
@@ -235,6 +236,7 @@ def gradients(
     )
     head = dataclasses.replace(head, classifier=classifier, bias=bias, class_weights=class_weights)
     layout = row_layout(hidden, spec.shift)
+    hidden = layout.matrix  # the layout's copy, where it makes one: once, not per slab
     to_positions = layout.rows_to_positions
     coefs, lse_positions = tuple(to_positions(c) for c in coefs), to_positions(lse)
     keep = None if keep_blocks is None else to_positions(keep_blocks)

@@ -3,9 +3,11 @@
 Rows of hidden are addressed as *positions* of a flat (positions x D) matrix with row stride
 ``stride_pos``: position p is (b, t) = divmod(p, seq_stride) and is a loss row when
 t < rows_per_seq (= T - shift); its loss row index is b * rows_per_seq + t. A contiguous
-(B, T, D) hidden, a shifted one, and the sliced view hidden[:, :-1] that Hugging Face's shift
-produces are all such matrices, so no layout needs a copy; the few positions past T - shift in
-each sequence are loaded and ignored.
+(B, T, D) hidden, a shifted one, rows padded in D and a single sequence of any row stride are
+such matrices; the few positions past T - shift in each sequence are loaded and ignored (they
+are hidden's own rows). A layout whose sequences lie further apart than their T rows (a slice
+such as hidden[:, :-1], or a buffer with padded strides) is copied once: the gaps between its
+sequences are not hidden's memory.
 """
 
 from __future__ import annotations
@@ -77,9 +79,15 @@ def row_layout(hidden: torch.Tensor, shift: int) -> RowLayout:
         seq_stride, stride_pos = max(rows_per_seq, 1), stride_t
     elif time == 1:  # positions are the batch entries
         seq_stride, stride_pos = 1, stride_b
-    elif stride_t > 0 and stride_b % stride_t == 0 and stride_b // stride_t >= time:
-        seq_stride, stride_pos = stride_b // stride_t, stride_t
-    else:  # e.g. a batch dimension with stride 0: no flat matrix exists
+    elif stride_t > 0 and stride_b == stride_t * time:
+        seq_stride, stride_pos = time, stride_t
+    else:
+        # No flat matrix of hidden's own rows: a batch dimension with stride 0, or sequences
+        # further apart than their rows (base[:, :T] of a longer buffer, or a padded buffer
+        # Inductor allocated for a slice and never filled past T). A flat view over the latter
+        # would take the gap rows between sequences as positions; they get no loss, but the
+        # classifier's gradient GEMM multiplies them by their zero gradient, and 0 x NaN (or
+        # x inf) in memory outside the tensor is NaN. One contiguous copy instead.
         hidden = hidden.contiguous()
         seq_stride, stride_pos = time, dim
     # No loss rows (an empty batch or sequence): no positions either.

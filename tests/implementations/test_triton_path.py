@@ -212,6 +212,27 @@ def test_fast_mode_with_exponentials_from_the_gemm_in_half_width(monkeypatch, dt
     run_and_compare(to_device(case), mode="fast")
 
 
+@pytest.mark.parametrize("form", ["lean", "fast", "fused"])
+@pytest.mark.parametrize("shift", [0, 1])
+def test_sequences_apart_in_memory_leave_the_gaps_unread(monkeypatch, form, shift):
+    """hidden = base[:, :T] of a (B, T + 1, D) buffer, as a user's slice or Inductor's padded
+    allocation of a slice (never written past T): the flat view of its positions took the gap
+    rows as positions, and the classifier's gradient GEMM multiplied their zero gradients by
+    NaN in the gap: a NaN gradient where PyTorch's is finite (break run 15)."""
+    from cce_compile import policy
+    from cce_compile.implementations import triton_shared
+
+    if form == "fused":
+        monkeypatch.setattr(triton_shared, "work_dtype", lambda tensor: tensor.dtype)
+        monkeypatch.setattr(policy, "fast_fuses_exp", lambda problem, whole_rows: not whole_rows)
+        monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
+    case = build_case(leading=(3, 8), dim=16, vocab=40, ignored_fraction=0.0, shift=shift, seed=4)
+    base = torch.full((3, 9, 16), float("nan"), dtype=case.hidden.dtype)
+    base[:, :8] = case.hidden
+    case.hidden = base[:, :8]
+    run_and_compare(to_device(case), mode="lean" if form == "lean" else "fast")
+
+
 def test_fast_mode_whole_rows_with_a_minus_inf_bias_before_finite_logits(monkeypatch):
     """V > 4096 (the softmax kernel's block): lane j sees column j, then j + 4096. A -inf bias
     at column j once made that lane's sum exp(-inf - -inf) = NaN, which the finite column
@@ -328,7 +349,7 @@ def test_hidden_layouts_and_load_paths(monkeypatch, dim, tma, layout):
     case = build_case(leading=(3, 12), dim=dim, vocab=41, bias=True, seed=13)
     if layout == "shift":
         case.shift = 2
-    elif layout == "sliced-view":  # what the graph pass feeds for logits[:, :-1]
+    elif layout == "sliced-view":  # what the graph pass feeds for logits[:, :-1] (copied)
         case.hidden = case.hidden[:, :-1]
         case.targets = case.targets[:, 1:]
     elif layout == "expanded-batch":  # stride 0: no flat matrix, the launcher copies
