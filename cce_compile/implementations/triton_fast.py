@@ -49,21 +49,33 @@ class _PositionCoefficients:
     coef_w: torch.Tensor
 
     @staticmethod
-    def of(
+    def targets_of(
         head: HeadInputs, rows: RowTargets, layout: RowLayout, split: SplitVocabulary | None
-    ) -> _PositionCoefficients:
-        """``rows`` over the whole vocabulary (``split``: of which the head holds a shard; a
-        target on another shard becomes column -1, none of the shard's)."""
-        unit = torch.ones((), device=head.hidden.device)
-        vocab = head.vocab if split is None else split.size
-        parts = row_coefficient_parts(unit, None, rows, head.spec, vocab)
+    ) -> torch.Tensor:
+        """Each position's target column (``split``: of the head's shard; a target on another
+        shard becomes column -1, none of the shard's)."""
         targets = rows.safe
         if split is not None:
             columns = rows.targets.long() - head.col_start
             targets = torch.where((columns >= 0) & (columns < head.vocab), columns, -1)
+        return layout.rows_to_positions(targets)
+
+    @staticmethod
+    def of(
+        head: HeadInputs,
+        rows: RowTargets,
+        layout: RowLayout,
+        split: SplitVocabulary | None,
+        targets: torch.Tensor,
+    ) -> _PositionCoefficients:
+        """``rows`` over the whole vocabulary (``split``: of which the head holds a shard),
+        with their positions' ``targets_of``."""
+        unit = torch.ones((), device=head.hidden.device)
+        vocab = head.vocab if split is None else split.size
+        parts = row_coefficient_parts(unit, None, rows, head.spec, vocab)
         to_positions = layout.rows_to_positions
         return _PositionCoefficients(
-            to_positions(targets),
+            targets,
             to_positions(parts.p_base),
             None if parts.p_per_lse is None else to_positions(parts.p_per_lse),
             to_positions(parts.coef_t),
@@ -233,7 +245,7 @@ def fast_forward(
         # which sees no strides.
         classifier = classifier.contiguous()
     chunk = policy.fast_run_rows(problem, needs.classifier, head.budget_bytes, fused)
-    coefs = _PositionCoefficients.of(head, rows, layout, split)
+    targets = _PositionCoefficients.targets_of(head, rows, layout, split)
     out = _FastBuffers(
         head,
         layout,
@@ -245,6 +257,7 @@ def fast_forward(
         split=bool(split),
         fused_tiles=shared.config_of(head, hidden) if fused else None,
     )
+    coefs = None
     for start in range(0, n_positions, chunk):
         stop = min(start + chunk, n_positions)
         h = positions[start:stop]
@@ -254,10 +267,18 @@ def fast_forward(
             softcap=head.spec.softcap,
             smoothing=head.spec.needs_wsum,
             bias=bias,
-            **coefs.chunk(start, stop),
+            targets=targets[start:stop],
         )
         if fused:
-            _fused_chunk(h, classifier, kernel_args, out, (start, stop))
+            _fused_gemm(h, classifier, kernel_args, out, (start, stop))
+        if coefs is None:
+            # After the first chunk's GEMM is queued (fused), so that the GPU runs it while
+            # the host builds pass 2's coefficients: at a call's start, or after compaction's
+            # host synchronisation, the GPU has nothing else to do.
+            coefs = _PositionCoefficients.of(head, rows, layout, split, targets)
+        kernel_args.update(coefs.chunk(start, stop))
+        if fused:
+            _fused_pass2(kernel_args, out, (start, stop))
         else:
             logits = out.logits[: stop - start]
             shared.matmul(h, classifier.t(), out=logits)
@@ -269,22 +290,21 @@ def fast_forward(
     return out.result(head, rows, layout, head.vocab if split is None else split.size)
 
 
-def _fused_chunk(
+def _fused_gemm(
     h: torch.Tensor, classifier: torch.Tensor, kernel_args: dict, out: _FastBuffers, span: tuple
 ) -> None:
-    """A chunk's scaled exponentials from the logits GEMM's epilogue (``logits_exp``); the
-    rows' lse from its partials; then the gradient in place (``scaled_exp_grad``)."""
+    """A chunk's scaled exponentials from the logits GEMM's epilogue (``logits_exp``), with
+    its tile maxima, partial lse (and weighted sums) and target logits."""
     start, stop = span
     n = stop - start
-    grad, block_max = out.grad[:n], out.block_max[:n]
-    lse, target_logit, wsum = (shared.part(s, start, stop) for s in out.stats)
+    target_logit = shared.part(out.stats[1], start, stop)
     partial_wsum = None if out.partial_wsum is None else out.partial_wsum[:n]
     logits_exp(
         h,
         classifier,
         kernel_args["targets"],
-        grad,
-        block_max,
+        out.grad[:n],
+        out.block_max[:n],
         out.partial_lse[:n],
         target_logit,
         partial_wsum,
@@ -293,6 +313,16 @@ def _fused_chunk(
         class_weights=kernel_args["class_weights"],
         config=out.fused_tiles,
     )
+
+
+def _fused_pass2(kernel_args: dict, out: _FastBuffers, span: tuple) -> None:
+    """After ``_fused_gemm``: the rows' lse from its partials, then the gradient in place
+    (``scaled_exp_grad``)."""
+    start, stop = span
+    n = stop - start
+    grad, block_max = out.grad[:n], out.block_max[:n]
+    lse, target_logit, wsum = (shared.part(s, start, stop) for s in out.stats)
+    partial_wsum = None if out.partial_wsum is None else out.partial_wsum[:n]
     torch.logsumexp(out.partial_lse[:n], 1, out=lse)
     if partial_wsum is not None:
         torch.sum(partial_wsum, 1, out=wsum)

@@ -20,6 +20,8 @@ float32 logit.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -145,7 +147,14 @@ def _persistent_programs(device: torch.device) -> int:
     """One program per SM (a handful in the interpreter, so tests walk several tiles each)."""
     if device.type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    # Cached: the device query costs ~40 us of host time a launch, on the path to a chunk's
+    # first GEMM while the GPU waits.
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _check_row_buffer(name: str, t: torch.Tensor | None, shape: tuple) -> None:

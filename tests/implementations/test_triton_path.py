@@ -165,9 +165,9 @@ def test_fast_mode_with_exponentials_from_the_gemm(monkeypatch, options):
     chunks = []
     monkeypatch.setattr(policy, "fast_fuses_exp", lambda *args: True)
     monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
-    real_fused_chunk = triton_fast._fused_chunk
+    real_fused_gemm = triton_fast._fused_gemm
     monkeypatch.setattr(
-        triton_fast, "_fused_chunk", lambda *a: chunks.append(a[-1]) or real_fused_chunk(*a)
+        triton_fast, "_fused_gemm", lambda *a: chunks.append(a[-1]) or real_fused_gemm(*a)
     )
     case = build_case(leading=(4, 7), dim=18, vocab=45, seed=13, **options)
     run_and_compare(to_device(case), mode="fast")
@@ -186,9 +186,9 @@ def test_fast_mode_with_exponentials_from_the_gemm_of_a_transposed_classifier(mo
     monkeypatch.setattr(triton_shared, "work_dtype", lambda tensor: tensor.dtype)
     monkeypatch.setattr(policy, "fast_fuses_exp", lambda problem, whole_rows: not whole_rows)
     monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
-    real_fused_chunk = triton_fast._fused_chunk
+    real_fused_gemm = triton_fast._fused_gemm
     monkeypatch.setattr(
-        triton_fast, "_fused_chunk", lambda *a: chunks.append(a[-1]) or real_fused_chunk(*a)
+        triton_fast, "_fused_gemm", lambda *a: chunks.append(a[-1]) or real_fused_gemm(*a)
     )
     case = build_case(leading=(3, 5), dim=16, vocab=40, dtype=torch.bfloat16, scale=4.0, seed=21)
     case.classifier = case.classifier.t().contiguous().t()  # strides (1, V)
@@ -287,7 +287,7 @@ def test_fast_mode_keeps_whole_rows_where_the_fused_form_cannot_serve(monkeypatc
     from cce_compile.implementations import triton_fast
 
     monkeypatch.setattr(policy, "fast_fuses_exp", lambda problem, whole_rows: not whole_rows)
-    monkeypatch.setattr(triton_fast, "_fused_chunk", lambda *a: pytest.fail("fused with softcap"))
+    monkeypatch.setattr(triton_fast, "_fused_gemm", lambda *a: pytest.fail("fused with softcap"))
     case = build_case(leading=(2, 7), dim=18, vocab=45, softcap=5.0, seed=14)
     run_and_compare(to_device(case), mode="fast")
 

@@ -141,8 +141,8 @@ def _force_fused_form(monkeypatch):
     monkeypatch.setattr(policy, "fast_fuses_exp", lambda problem, whole_rows: not whole_rows)
     monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
     chunks = []
-    real = triton_fast._fused_chunk
-    monkeypatch.setattr(triton_fast, "_fused_chunk", lambda *a: chunks.append(1) or real(*a))
+    real = triton_fast._fused_gemm
+    monkeypatch.setattr(triton_fast, "_fused_gemm", lambda *a: chunks.append(1) or real(*a))
     return chunks
 
 
