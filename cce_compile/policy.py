@@ -49,13 +49,11 @@ FAST_CHUNK_ROWS = 4096
 # twice) against 6 D FLOPs, lean ~6 bytes against 8 D FLOPs with its forward fused; at ~200
 # FLOP per byte lean is the faster below D ~ 850: shape G (D = 512) ran fast at 1.38x
 # compile's time and lean at 1.10x, C (D = 2048) fast at 2.97 ms and lean at 3.72 (H100).
+# Fused chunks (``fast_fuses_exp``) move fewer bytes and ran faster than lean below it too
+# (H200, session 16: G 16.22 ms against lean's 16.59, H (D = 768) 19.98 against 21.97), but
+# their classifier gradient, summed chunk by chunk in bf16, had 1.35x (G) and 1.58x (H)
+# torch.compile's error where lean matches compile's: the floor stays for accuracy.
 MIN_FAST_DIM = 1024
-# The same where fast's chunks are fused (``fast_fuses_exp``) and the head is not rounded (bf16
-# weights): the logits GEMM writes 2 bytes a logit and pass 2 moves 4, so fast beats lean's
-# extra GEMM down to D = 512 (H200: G 16.44 ms against lean's 16.77, H (D = 768) 20.82 against
-# 22.35, I (D = 1024) alike). Under AMP fast also rounds the whole classifier and holds that
-# copy: G ran at 17.10 ms against lean's 16.89, so AMP keeps MIN_FAST_DIM.
-MIN_FUSED_FAST_DIM = 512
 # The fewest rows per fast-mode chunk for auto to prefer fast over lean, for a float32
 # classifier gradient (AMP); half of it for a 2-byte one (module docstring).
 MIN_FAST_ROWS = 1024
@@ -168,16 +166,10 @@ def fast_floor_rows(problem: Problem, needs_classifier: bool) -> int:
     return MIN_FAST_ROWS * gradient_bytes // 4
 
 
-def min_fast_dim(problem: Problem, fused: bool) -> int:
-    """The narrowest hidden size at which auto prefers fast on a GPU (MIN_FAST_DIM,
-    MIN_FUSED_FAST_DIM)."""
-    return MIN_FUSED_FAST_DIM if fused and not problem.rounds_inputs else MIN_FAST_DIM
-
-
 def fast_fits(problem: Problem, needs_classifier: bool, budget: int, fused: bool = False) -> bool:
     """Does a fast-mode chunk that auto would accept fit the budget (module docstring), on a
     GPU at a hidden size where fast's passes over the logits cost less than lean's GEMM?"""
-    if problem.device_type == "cuda" and problem.dim < min_fast_dim(problem, fused):
+    if problem.device_type == "cuda" and problem.dim < MIN_FAST_DIM:
         return False
     chunk = fast_chunk_rows(problem, budget, fused)
     return chunk > 0 and chunk >= min(fast_floor_rows(problem, needs_classifier), problem.rows)
