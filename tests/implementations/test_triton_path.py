@@ -174,6 +174,31 @@ def test_fast_mode_with_exponentials_from_the_gemm(monkeypatch, options):
     assert chunks, "fast mode must take the fused path where policy.fast_fuses_exp says so"
 
 
+def test_fast_mode_queues_the_first_gemm_before_building_the_coefficients(monkeypatch):
+    """The GPU has nothing large to run until a call's first logits GEMM is queued, so the host
+    builds pass 2's per-row coefficients after it (H200, session 16: 0.8 ms off E's and C's
+    step): once per call, after chunk 0's GEMM and before chunk 1's."""
+    from cce_compile import policy
+    from cce_compile.implementations import triton_fast
+
+    events = []
+    monkeypatch.setattr(policy, "fast_fuses_exp", lambda *args: True)
+    monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
+    real_gemm, real_of = triton_fast._fused_gemm, triton_fast._PositionCoefficients.of
+    monkeypatch.setattr(
+        triton_fast, "_fused_gemm", lambda *a: events.append("gemm") or real_gemm(*a)
+    )
+    monkeypatch.setattr(
+        triton_fast._PositionCoefficients,
+        "of",
+        staticmethod(lambda *a: events.append("coefficients") or real_of(*a)),
+    )
+    case = build_case(leading=(2, 6), dim=18, vocab=45, seed=5)
+    run_and_compare(to_device(case), mode="fast")
+    assert events[:3] == ["gemm", "coefficients", "gemm"], events
+    assert events.count("coefficients") == 1
+
+
 def test_fast_mode_with_exponentials_from_the_gemm_of_a_transposed_classifier(monkeypatch):
     """A head stored (D, V) and used transposed (Conv1D, ``h @ W``): the classifier's column
     stride is V. The fused GEMM needs unit column strides; it raised "h and classifier need
