@@ -103,6 +103,16 @@ def problem(rows: int, classifier_shape, logit_dtype, rounds_inputs: bool, devic
     return Problem(rows, vocab, dim, logit_dtype.itemsize, rounds_inputs, device)
 
 
+def rounds_inputs(compute_dtype, hidden_dtype, classifier_dtype) -> bool:
+    """Does a call round its hidden or its classifier to ``compute_dtype`` (autocast's
+    rounding: a copy of hidden, a float32 classifier gradient)? The one rule for ``Problem``'s
+    ``rounds_inputs``, wherever a call is planned. A bias rounded alone (V values) is not;
+    ``compute_dtype`` None: nothing is rounded."""
+    if compute_dtype is None:
+        return False
+    return hidden_dtype != compute_dtype or classifier_dtype != compute_dtype
+
+
 def budget_bytes(problem: Problem, budget_mb: int | None, fraction: float) -> int:
     """The extra memory the loss may use: an absolute budget, or a fraction of the logits."""
     if budget_mb is not None:

@@ -238,3 +238,33 @@ def test_fused_row_bytes_cover_what_a_fused_chunk_allocates(dim, heavy):
         problem = Problem(rows=64, vocab=vocab, dim=dim, logit_bytes=2)
         allocated = -(-vocab // 8) * 8 * 2 + exp_blocks(vocab, config) * 4 * 3 + dim * 4
         assert allocated <= policy.fast_row_bytes(problem, fused=True), vocab
+
+
+def test_a_bias_rounded_alone_does_not_make_a_rounded_problem():
+    """Under autocast a float32 bias beside a bf16 hidden and classifier is rounded (V values),
+    but no copy of hidden is made and the classifier's gradient stays bf16. The mode choice
+    (``decide.problem_of``) saw an unrounded head there and the run's plan
+    (``triton_shared.problem``) a rounded one, with AMP's chunk floor and a hidden copy counted
+    (review of session 16): both now take ``policy.rounds_inputs``."""
+    import torch
+
+    from cce_compile import decide
+    from cce_compile.implementations import triton_shared
+    from cce_compile.implementations.interface import HeadInputs
+    from cce_compile.kernels.common import row_layout
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert not policy.rounds_inputs(bf16, bf16, bf16)
+    assert not policy.rounds_inputs(None, f32, f32)
+    for hidden_dtype, classifier_dtype in ((f32, f32), (f32, bf16), (bf16, f32)):
+        assert policy.rounds_inputs(bf16, hidden_dtype, classifier_dtype)
+    hidden = torch.zeros(2, 3, 8, dtype=bf16)
+    classifier = torch.zeros(16, 8, dtype=bf16)
+    targets = torch.zeros(2, 3, dtype=torch.int64)
+    spec = decide.loss_spec(hidden, -100, "mean", 0.0, None, 1.0, 0, 0.0)
+    head = HeadInputs(hidden, classifier, targets, torch.zeros(16), None, spec, 1 << 20, bf16)
+    planned = triton_shared.problem(row_layout(hidden, 0), head, hidden)
+    chosen = decide.problem_of(hidden, classifier, 0, bf16)
+    assert planned.rounds_inputs is False and chosen.rounds_inputs is False
+    head = dataclasses.replace(head, hidden=hidden.float())
+    assert triton_shared.problem(row_layout(hidden, 0), head, hidden).rounds_inputs
