@@ -329,7 +329,7 @@ def problem_of(
     the classes to plan for where not the classifier's (a rank's shard: ``shard_vocab``)."""
     leading = hidden.shape[:-1]
     rows = (math.prod(leading) // max(leading[-1], 1)) * (leading[-1] - shift) if leading else 1
-    rounds = policy.rounds_inputs(compute, hidden.dtype, classifier.dtype)
+    rounds = policy.rounding(compute, hidden.dtype, classifier.dtype)
     shape = (classifier.shape[0] if vocab is None else vocab, classifier.shape[1])
     return policy.problem(rows, shape, compute or hidden.dtype, rounds, hidden.device.type)
 

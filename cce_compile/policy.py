@@ -91,26 +91,31 @@ class Problem:
     vocab: int  # V
     dim: int  # D
     logit_bytes: int  # bytes of one logit in the head's compute dtype (2 for bf16)
-    rounds_inputs: bool = False  # the op rounds float32 inputs to the compute dtype (AMP)
+    # Autocast's rounding (AMP), of each operand apart (``rounding``): a rounded hidden is a
+    # copy (N x D); a rounded classifier is float32, and so is its gradient.
+    rounds_hidden: bool = False
+    rounds_classifier: bool = False
     device_type: str = "cuda"  # where it runs: the GPU's rules differ from the CPU path's
 
 
-def problem(rows: int, classifier_shape, logit_dtype, rounds_inputs: bool, device: str) -> Problem:
+def problem(
+    rows: int, classifier_shape, logit_dtype, rounding: tuple[bool, bool], device: str
+) -> Problem:
     """The one constructor of a ``Problem``: a call's loss rows (or the positions its kernels
-    read), the (V, D) of its classifier, the ``torch.dtype`` of its logits (the GEMMs'), whether
-    it rounds float32 inputs to that dtype, and where it runs."""
+    read), the (V, D) of its classifier, the ``torch.dtype`` of its logits (the GEMMs'), which
+    of hidden and the classifier it rounds to that dtype (``rounding``), and where it runs."""
     vocab, dim = classifier_shape
-    return Problem(rows, vocab, dim, logit_dtype.itemsize, rounds_inputs, device)
+    return Problem(rows, vocab, dim, logit_dtype.itemsize, *rounding, device)
 
 
-def rounds_inputs(compute_dtype, hidden_dtype, classifier_dtype) -> bool:
-    """Does a call round its hidden or its classifier to ``compute_dtype`` (autocast's
-    rounding: a copy of hidden, a float32 classifier gradient)? The one rule for ``Problem``'s
-    ``rounds_inputs``, wherever a call is planned. A bias rounded alone (V values) is not;
-    ``compute_dtype`` None: nothing is rounded."""
+def rounding(compute_dtype, hidden_dtype, classifier_dtype) -> tuple[bool, bool]:
+    """(hidden, classifier): which of them a call rounds to ``compute_dtype`` (autocast's
+    rounding; None: nothing is rounded). The one rule wherever a call is planned. A bias
+    rounded alone (V values) counts for nothing; an operand already in the compute dtype is
+    not copied."""
     if compute_dtype is None:
-        return False
-    return hidden_dtype != compute_dtype or classifier_dtype != compute_dtype
+        return False, False
+    return hidden_dtype != compute_dtype, classifier_dtype != compute_dtype
 
 
 def budget_bytes(problem: Problem, budget_mb: int | None, fraction: float) -> int:
@@ -120,13 +125,18 @@ def budget_bytes(problem: Problem, budget_mb: int | None, fraction: float) -> in
     return max(MIN_BUDGET, int(fraction * problem.rows * problem.vocab * problem.logit_bytes))
 
 
+def rounded_hidden_bytes(problem: Problem) -> int:
+    """The copy of hidden in the compute dtype that a call rounding hidden (AMP) makes."""
+    return problem.rows * problem.dim * problem.logit_bytes if problem.rounds_hidden else 0
+
+
 def fast_fixed_bytes(problem: Problem) -> int:
     """Fast mode's memory besides its chunk: under AMP, the rounded hidden. The classifier's
     gradient is the op's output, not extra; the classifier's rounded copy (V x D, held through
     the forward only) is not counted: it is the copy autocast makes for ``F.linear`` anyway,
     which torch.compile holds too (with the logits), so it adds nothing over what the loss
     replaces."""
-    return problem.rows * problem.dim * problem.logit_bytes if problem.rounds_inputs else 0
+    return rounded_hidden_bytes(problem)
 
 
 def fast_needs_whole_rows(*, softcap: bool, entropy: bool, argmax: bool, split: bool) -> bool:
@@ -172,7 +182,7 @@ def fast_floor_rows(problem: Problem, needs_classifier: bool) -> int:
     gradient's re-read per chunk scales with its element size (float32 under AMP)."""
     if not needs_classifier:
         return MIN_FROZEN_FAST_ROWS
-    gradient_bytes = 4 if problem.rounds_inputs else problem.logit_bytes
+    gradient_bytes = 4 if problem.rounds_classifier else problem.logit_bytes
     return MIN_FAST_ROWS * gradient_bytes // 4
 
 
@@ -211,8 +221,8 @@ def lean_slab_columns(problem: Problem, needs_hidden: bool, budget: int) -> int:
     problems exceed the budget for both reasons)."""
     fixed = problem.rows * problem.dim * 4 if needs_hidden else 0
     per_class = problem.rows * problem.logit_bytes
-    if problem.rounds_inputs:
-        fixed += problem.rows * problem.dim * problem.logit_bytes
+    fixed += rounded_hidden_bytes(problem)
+    if problem.rounds_classifier:
         per_class += problem.dim * problem.logit_bytes
     launch_floor = -(-MIN_SLAB_MACS // max(1, problem.rows * problem.dim))
     return max(MIN_SLAB_COLUMNS, launch_floor, (budget - fixed) // max(1, per_class))
@@ -221,9 +231,9 @@ def lean_slab_columns(problem: Problem, needs_hidden: bool, budget: int) -> int:
 def forward_slab_columns(problem: Problem, budget: int) -> int:
     """Classes per lean forward launch: all of them, unless the classifier must be rounded
     (AMP), which happens one slab of classes at a time within the budget."""
-    if not problem.rounds_inputs:
+    if not problem.rounds_classifier:
         return problem.vocab
-    left = budget - problem.rows * problem.dim * problem.logit_bytes
+    left = budget - rounded_hidden_bytes(problem)
     return max(0, left // (problem.dim * problem.logit_bytes))
 
 

@@ -12,6 +12,8 @@ from cce_compile.policy import MIN_FAST_ROWS, MIN_FROZEN_FAST_ROWS, Problem, cho
 
 # Shape E of bench/: 8192 tokens, D 4096, V 128256, bf16.
 E = Problem(rows=8192, vocab=128256, dim=4096, logit_bytes=2)
+# E under AMP: float32 hidden and classifier rounded to bf16.
+AMP = dataclasses.replace(E, rounds_hidden=True, rounds_classifier=True)
 BIG = 10**13
 ROW = (E.vocab + E.dim) * 4  # a fast chunk's bytes per row: float32 logits and d hidden
 FUSED_ROW = policy.fast_row_bytes(E, fused=True)  # bf16 scaled exponentials from the GEMM
@@ -38,14 +40,14 @@ def test_auto_takes_fast_when_a_useful_chunk_fits():
 def test_fast_counts_no_classifier_sized_buffer():
     """The classifier's gradient accumulates the chunks itself: an output, not extra memory."""
     assert policy.fast_fixed_bytes(E) == 0
-    amp = Problem(rows=E.rows, vocab=E.vocab, dim=E.dim, logit_bytes=2, rounds_inputs=True)
+    amp = AMP
     assert policy.fast_fixed_bytes(amp) == E.rows * E.dim * 2  # the rounded hidden
 
 
 def test_the_floor_scales_with_the_classifier_gradients_element_size():
     """Each chunk re-reads and re-writes the classifier's gradient: a float32 one (AMP) needs
     twice the rows of a bf16 one to amortise it."""
-    amp = Problem(rows=E.rows, vocab=E.vocab, dim=E.dim, logit_bytes=2, rounds_inputs=True)
+    amp = AMP
     fp32 = Problem(rows=E.rows, vocab=E.vocab, dim=E.dim, logit_bytes=4)
     assert policy.fast_floor_rows(amp, True) == policy.fast_floor_rows(fp32, True) == MIN_FAST_ROWS
     assert policy.fast_floor_rows(E, True) == MIN_FAST_ROWS // 2
@@ -105,7 +107,7 @@ def test_a_frozen_classifier_under_autocast_takes_fast_beside_autocasts_own_copy
     """AMP rounds the float32 classifier: that V x D copy is the one autocast makes for
     F.linear, which torch.compile holds too, so it is not counted, and a frozen head (LoRA
     on a float32 model) takes fast with budget-sized chunks; the rounded hidden is counted."""
-    amp = Problem(rows=E.rows, vocab=E.vocab, dim=E.dim, logit_bytes=2, rounds_inputs=True)
+    amp = AMP
     budget = policy.budget_bytes(amp, None, 0.125)
     assert choose(problem=amp, needs_classifier=False, budget=budget) == "fast"
     rows = policy.fast_run_rows(amp, False, budget)
@@ -130,7 +132,7 @@ def test_fast_chunk_rows_bounded_by_budget_and_rows():
 
 
 def test_mixed_precision_counts_the_rounded_copies():
-    amp = Problem(rows=E.rows, vocab=E.vocab, dim=E.dim, logit_bytes=2, rounds_inputs=True)
+    amp = AMP
     rounded_hidden = E.rows * E.dim * 2  # the classifier's copy is autocast's own: not counted
     assert policy.fast_fixed_bytes(amp) == policy.fast_fixed_bytes(E) + rounded_hidden
     budget = policy.budget_bytes(amp, None, 0.125)
@@ -240,12 +242,13 @@ def test_fused_row_bytes_cover_what_a_fused_chunk_allocates(dim, heavy):
         assert allocated <= policy.fast_row_bytes(problem, fused=True), vocab
 
 
-def test_a_bias_rounded_alone_does_not_make_a_rounded_problem():
-    """Under autocast a float32 bias beside a bf16 hidden and classifier is rounded (V values),
-    but no copy of hidden is made and the classifier's gradient stays bf16. The mode choice
-    (``decide.problem_of``) saw an unrounded head there and the run's plan
-    (``triton_shared.problem``) a rounded one, with AMP's chunk floor and a hidden copy counted
-    (review of session 16): both now take ``policy.rounds_inputs``."""
+def test_rounding_is_counted_per_operand_alike_where_a_call_is_planned():
+    """Under autocast each operand is rounded apart: a rounded hidden is a copy, a rounded
+    (float32) classifier has a float32 gradient, a float32 bias rounded alone is neither. The
+    mode choice (``decide.problem_of``) and the Triton path's plan (``triton_shared.problem``)
+    disagreed on a bias rounded alone (a hidden copy and AMP's chunk floor counted that are not
+    there: review of session 16), and both counted a copy of a bf16 hidden beside a float32
+    classifier, and a float32 gradient beside a float32 hidden, that are not there either."""
     import torch
 
     from cce_compile import decide
@@ -254,17 +257,35 @@ def test_a_bias_rounded_alone_does_not_make_a_rounded_problem():
     from cce_compile.kernels.common import row_layout
 
     bf16, f32 = torch.bfloat16, torch.float32
-    assert not policy.rounds_inputs(bf16, bf16, bf16)
-    assert not policy.rounds_inputs(None, f32, f32)
-    for hidden_dtype, classifier_dtype in ((f32, f32), (f32, bf16), (bf16, f32)):
-        assert policy.rounds_inputs(bf16, hidden_dtype, classifier_dtype)
-    hidden = torch.zeros(2, 3, 8, dtype=bf16)
-    classifier = torch.zeros(16, 8, dtype=bf16)
+    assert policy.rounding(None, f32, f32) == (False, False)
     targets = torch.zeros(2, 3, dtype=torch.int64)
-    spec = decide.loss_spec(hidden, -100, "mean", 0.0, None, 1.0, 0, 0.0)
-    head = HeadInputs(hidden, classifier, targets, torch.zeros(16), None, spec, 1 << 20, bf16)
-    planned = triton_shared.problem(row_layout(hidden, 0), head, hidden)
-    chosen = decide.problem_of(hidden, classifier, 0, bf16)
-    assert planned.rounds_inputs is False and chosen.rounds_inputs is False
-    head = dataclasses.replace(head, hidden=hidden.float())
-    assert triton_shared.problem(row_layout(hidden, 0), head, hidden).rounds_inputs
+    for hidden_dtype, classifier_dtype in ((bf16, bf16), (f32, f32), (f32, bf16), (bf16, f32)):
+        hidden = torch.zeros(2, 3, 8, dtype=hidden_dtype)
+        classifier = torch.zeros(16, 8, dtype=classifier_dtype)
+        spec = decide.loss_spec(hidden, -100, "mean", 0.0, None, 1.0, 0, 0.0)
+        bias = torch.zeros(16)  # float32: rounded under autocast, counted for nothing
+        head = HeadInputs(hidden, classifier, targets, bias, None, spec, 1 << 20, bf16)
+        planned = triton_shared.problem(row_layout(hidden, 0), head, hidden.to(bf16))
+        chosen = decide.problem_of(hidden, classifier, 0, bf16)
+        expected = (hidden_dtype != bf16, classifier_dtype != bf16)
+        assert (planned.rounds_hidden, planned.rounds_classifier) == expected
+        assert (chosen.rounds_hidden, chosen.rounds_classifier) == expected
+
+
+def test_a_rounded_operand_costs_only_what_it_makes():
+    """A bf16 hidden beside a float32 classifier: no copy of hidden; a float32 hidden beside a
+    bf16 classifier: a bf16 classifier gradient, re-read at bf16's floor (512 rows, not
+    1024). At N 8192, V 32000, D 2048 both fit fast chunks, which counting both operands as
+    rounded refused (review of session 16)."""
+    shape = dict(rows=8192, vocab=32000, dim=2048, logit_bytes=2)
+    classifier_only = Problem(**shape, rounds_classifier=True)
+    hidden_only = Problem(**shape, rounds_hidden=True)
+    both = Problem(**shape, rounds_hidden=True, rounds_classifier=True)
+    assert policy.fast_fixed_bytes(classifier_only) == 0
+    assert policy.fast_fixed_bytes(hidden_only) == 8192 * 2048 * 2
+    assert policy.fast_floor_rows(hidden_only, True) == MIN_FAST_ROWS // 2
+    assert policy.fast_floor_rows(classifier_only, True) == MIN_FAST_ROWS
+    budget = policy.budget_bytes(both, None, 0.2)
+    assert choose(problem=both, budget=budget) == "lean"
+    assert choose(problem=classifier_only, budget=budget) == "fast"
+    assert choose(problem=hidden_only, budget=budget) == "fast"

@@ -87,7 +87,7 @@ def work_dtype(tensor: torch.Tensor) -> torch.dtype:
 
 def problem(layout: RowLayout, head: HeadInputs, work: torch.Tensor) -> policy.Problem:
     """The head's sizes as ``policy`` takes them (``work``: a tensor in the GEMMs' dtype)."""
-    rounds = policy.rounds_inputs(head.compute_dtype, head.hidden.dtype, head.classifier.dtype)
+    rounds = policy.rounding(head.compute_dtype, head.hidden.dtype, head.classifier.dtype)
     shape = tuple(head.classifier.shape)
     return policy.problem(layout.n_positions, shape, work_dtype(work), rounds, "cuda")
 

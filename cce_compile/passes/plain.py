@@ -298,7 +298,7 @@ def choose_site_mode(site: PlainSite, needs: tuple[bool, bool, bool]) -> str:
     if site.classifier_is_transposed:
         vocab, dim = dim, vocab
     operands = (p.tensor_value(site.hidden), classifier)
-    rounds = policy.rounds_inputs(site.compute_dtype, *(t.dtype for t in operands))
+    rounds = policy.rounding(site.compute_dtype, *(t.dtype for t in operands))
     rows = p.size_hint(site.rows) or 1
     device = operands[0].device.type
     problem = policy.problem(rows, (vocab, dim), site.compute_dtype, rounds, device)

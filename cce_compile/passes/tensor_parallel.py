@@ -349,7 +349,7 @@ def _site_mode(site: TensorParallelSite, needs: dict[str, bool]) -> str:
         p.size_hint(site.rows) or 1,
         (decide.shard_vocab(site.shard.size, ranks), p.size_hint(classifier.shape[1]) or 1),
         site.compute_dtype,
-        policy.rounds_inputs(site.compute_dtype, hidden.dtype, classifier.dtype),
+        policy.rounding(site.compute_dtype, hidden.dtype, classifier.dtype),
         hidden.device.type,
     )
     return decide.mode(None, problem, needs, reduction=site.reduction, split=True)
