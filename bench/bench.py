@@ -123,6 +123,29 @@ def under_scenario(fn, scenario: Scenario):
     return autocast_fn
 
 
+def loss_step(name: str, scenario: Scenario, mode: str | None = None, **settings):
+    """(step, (hidden, classifier)): one forward+backward of cce_compile's loss on shape
+    ``name``'s inputs as ``scenario`` runs them, in ``mode`` and under the ``cce_compile.config``
+    ``settings`` (e.g. skip_ignored=False), each step clearing the gradients first; and the
+    inputs (for a matmul to compare with). The profiling scripts' step."""
+    import cce_compile
+
+    n, d, v = SHAPES[name]
+    hidden, classifier, targets = make_inputs(n, d, v, scenario)
+    h = hidden.clone().requires_grad_()
+    c = classifier.clone().requires_grad_(not scenario.frozen)
+    loss_fn = under_scenario(
+        lambda h, c, t: cce_compile.linear_cross_entropy(h, c, t, mode=mode), scenario
+    )
+
+    def step():
+        h.grad = c.grad = None
+        with cce_compile.config.override(**settings):
+            loss_fn(h, c, targets).backward()
+
+    return step, (hidden, classifier)
+
+
 def eager_loss(hidden, classifier, targets):
     logits = hidden @ classifier.T
     return F.cross_entropy(logits.float(), targets, ignore_index=-100)

@@ -21,27 +21,14 @@ import tempfile
 import torch
 
 sys.path += [str(pathlib.Path(__file__).resolve().parents[i]) for i in (0, 1)]
-import cce_compile  # noqa: E402
-from bench import SHAPES, Scenario, environment, make_inputs, under_scenario  # noqa: E402
+from bench import Scenario, environment, loss_step  # noqa: E402
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def trace_step(name: str, scenario: Scenario, mode: str, skip_ignored: bool) -> list[dict]:
     """The chrome-trace events of one warm forward+backward step."""
-    n, d, v = SHAPES[name]
-    hidden, classifier, targets = make_inputs(n, d, v, scenario)
-    h = hidden.clone().requires_grad_()
-    c = classifier.clone().requires_grad_(not scenario.frozen)
-    loss_fn = under_scenario(
-        lambda h, c, t: cce_compile.linear_cross_entropy(h, c, t, mode=mode), scenario
-    )
-
-    def step():
-        h.grad = c.grad = None
-        with cce_compile.config.override(skip_ignored=skip_ignored):
-            loss_fn(h, c, targets).backward()
-
+    step, _ = loss_step(name, scenario, mode, skip_ignored=skip_ignored)
     for _ in range(3):
         step()
     torch.cuda.synchronize()

@@ -20,8 +20,7 @@ import time
 import torch
 
 sys.path += [str(pathlib.Path(__file__).resolve().parents[i]) for i in (0, 1)]
-import cce_compile  # noqa: E402
-from bench import SHAPES, Scenario, make_inputs  # noqa: E402
+from bench import Scenario, loss_step  # noqa: E402
 from cce_compile.implementations import triton_fast  # noqa: E402
 from cce_compile.op import compaction  # noqa: E402
 
@@ -42,16 +41,7 @@ def _timed(module, name: str, key: str) -> None:
 
 
 def measure(name: str, skip_ignored: bool, reps: int) -> dict:
-    n, d, v = SHAPES[name]
-    hidden, classifier, targets = make_inputs(n, d, v, Scenario.parse("bf16"))
-    h = hidden.clone().requires_grad_()
-    c = classifier.clone().requires_grad_()
-
-    def step():
-        h.grad = c.grad = None
-        with cce_compile.config.override(skip_ignored=skip_ignored):
-            cce_compile.linear_cross_entropy(h, c, targets, mode="fast").backward()
-
+    step, _ = loss_step(name, Scenario.parse("bf16"), "fast", skip_ignored=skip_ignored)
     for _ in range(3):
         step()
     parts = {"to_select": [], "select": [], "select_to_gemm": [], "host": [], "wall": []}

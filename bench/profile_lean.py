@@ -22,14 +22,12 @@ import time
 import torch
 
 sys.path += [str(pathlib.Path(__file__).resolve().parents[i]) for i in (0, 1)]
-import cce_compile  # noqa: E402
 from bench import (  # noqa: E402
     SHAPES,
     Scenario,
     cuda_time_ms,
     environment,
-    make_inputs,
-    under_scenario,
+    loss_step,
 )
 
 OURS = ("_lse_forward", "_logit_grad", "_chunk_softmax_grad", "_scale_cast")
@@ -47,18 +45,7 @@ def category(name: str) -> str:
 
 def profile_shape(name: str, scenario: Scenario, mode: str, steps: int) -> dict:
     n, d, v = SHAPES[name]
-    hidden, classifier, targets = make_inputs(n, d, v, scenario)
-    h = hidden.clone().requires_grad_()
-    c = classifier.clone().requires_grad_(not scenario.frozen)
-
-    loss_fn = under_scenario(
-        lambda h, c, t: cce_compile.linear_cross_entropy(h, c, t, mode=mode), scenario
-    )
-
-    def step():
-        h.grad = c.grad = None
-        loss_fn(h, c, targets).backward()
-
+    step, (hidden, classifier) = loss_step(name, scenario, mode)
     matmul_ms = cuda_time_ms(lambda: hidden.bfloat16() @ classifier.bfloat16().T, 10, 3)[0]
     step_ms = cuda_time_ms(step, 10, 3)[0]
     activities = [torch.profiler.ProfilerActivity.CUDA]

@@ -194,8 +194,10 @@ def finish_loss(
         out = per_row if smooth is None else per_row + smooth
         return out if z_term is None else out + z_term
     if spec.reduction == "sum":
-        terms = [t.sum() for t in (per_row, smooth, z_term) if t is not None]
-        return sum(terms[1:], terms[0])
+        total = per_row.sum()
+        for term in (smooth, z_term):
+            total = total if term is None else total + term.sum()
+        return total
     # Each term over the weight sum, as PyTorch divides them: with weights 0 at every target,
     # 0/0 + x/0 = NaN, where the summed terms' x/0 would be a plausible inf.
     loss = per_row.sum() / rows.weight_sum

@@ -132,10 +132,12 @@ def rounded_hidden_bytes(problem: Problem) -> int:
 
 def fast_fixed_bytes(problem: Problem) -> int:
     """Fast mode's memory besides its chunk: under AMP, the rounded hidden. The classifier's
-    gradient is the op's output, not extra; the classifier's rounded copy (V x D, held through
-    the forward only) is not counted: it is the copy autocast makes for ``F.linear`` anyway,
-    which torch.compile holds too (with the logits), so it adds nothing over what the loss
-    replaces."""
+    gradient is the op's output, not extra. The classifier's rounded copy (V x D, held through
+    the forward op) is not counted, by choice: it is the copy autocast makes for ``F.linear``,
+    but torch.compile does not hold it beside its logits (its AMP peak at E is below its bf16
+    one), so under AMP fast mode takes more than the budget (0.45-0.73x of compile's extra
+    memory at B and E, bench/results/loss_head.md) for less time than lean's (E, H100: 1.14x
+    against 1.31x compile's)."""
     return rounded_hidden_bytes(problem)
 
 

@@ -271,21 +271,21 @@ def fast_forward(
         )
         if fused:
             _fused_gemm(h, classifier, kernel_args, out, (start, stop))
+        else:
+            logits = out.logits[: stop - start]
+            shared.matmul(h, classifier.t(), out=logits)
         if coefs is None:
-            # After the first chunk's GEMM is queued (fused), so that the GPU runs it while
-            # the host builds pass 2's coefficients: at a call's start, or after compaction's
-            # host synchronisation, the GPU has nothing else to do.
+            # After the first chunk's GEMM is queued, so that the GPU runs it while the host
+            # builds pass 2's coefficients: at a call's start, or after compaction's host
+            # synchronisation, the GPU has nothing else to do.
             coefs = _PositionCoefficients.of(head, rows, layout, split, targets)
         kernel_args.update(coefs.chunk(start, stop))
         if fused:
             _fused_pass2(kernel_args, out, (start, stop))
+        elif split is None:
+            chunk_softmax_grad(logits, **kernel_args, **out.chunk_outputs(start, stop))
         else:
-            logits = out.logits[: stop - start]
-            shared.matmul(h, classifier.t(), out=logits)
-            if split is None:
-                chunk_softmax_grad(logits, **kernel_args, **out.chunk_outputs(start, stop))
-            else:
-                _shard_chunk(logits, kernel_args, out, (start, stop), split)
+            _shard_chunk(logits, kernel_args, out, (start, stop), split)
         out.add_gradients(start, stop, h, classifier)
     return out.result(head, rows, layout, head.vocab if split is None else split.size)
 
