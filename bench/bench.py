@@ -209,6 +209,19 @@ def _cce_methods():
 
     methods["cce_auto_whole_rows"] = lambda: auto_whole_rows
 
+    def auto_frozen_whole_budget(h, c, t):
+        """The default with a frozen head's chunks on the whole budget
+        (policy.FROZEN_BUDGET_SHARE = 1): sessions 12-16's frozen default."""
+        from cce_compile import policy
+
+        share, policy.FROZEN_BUDGET_SHARE = policy.FROZEN_BUDGET_SHARE, 1.0
+        try:
+            return cce_compile.linear_cross_entropy(h, c, t)
+        finally:
+            policy.FROZEN_BUDGET_SHARE = share
+
+    methods["cce_auto_frozen_whole_budget"] = lambda: auto_frozen_whole_budget
+
     def auto_with_budget(h, c, t, megabytes):
         """The default under CCE_MEMORY_BUDGET_MB=megabytes (fewer, larger chunks and slabs on
         small problems, where the default's 1/5 of the logits is a few tens of MB)."""
@@ -240,6 +253,23 @@ def _cce_methods():
     return methods
 
 
+def _trl_chunk_size() -> int:
+    """TRL's chunk size for its fused head (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``).
+    That module imports ``datasets``, which the GPU machine lacks; its kernel does not, so
+    there the constant is read from the module's source instead of importing it."""
+    try:
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+        return _CHUNKED_LOGPROB_CHUNK_SIZE
+    except ImportError:
+        import re
+
+        import trl
+
+        source = (pathlib.Path(trl.__file__).parent / "trainer" / "utils.py").read_text()
+        return int(re.search(r"^_CHUNKED_LOGPROB_CHUNK_SIZE\s*=\s*(\d+)", source, re.M)[1])
+
+
 def _peer_methods():
     """Apple's CCE, Liger, TRL's fused head and quack, each imported when its method runs."""
     methods = {}
@@ -266,7 +296,8 @@ def _peer_methods():
         # As SFTTrainer calls it (trl.trainer.utils.add_fused_lm_head, TRL 1.16): the valid
         # positions only, its chunk size, the outputs its metrics log; the loss is its mean.
         from trl.kernels import ChunkedLogProbFunction
-        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+        chunk_size = _trl_chunk_size()
 
         def loss_fn(h, c, t):
             mask = t != -100
@@ -276,7 +307,7 @@ def _peer_methods():
                 None,
                 t[mask],
                 1.0,
-                _CHUNKED_LOGPROB_CHUNK_SIZE,
+                chunk_size,
                 None,
                 1.0,
                 ("log_probs", "entropy", "is_top1"),

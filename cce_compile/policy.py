@@ -18,7 +18,8 @@ gradients it returns):
   written over them), or, for a bf16 / fp16 gradient where no whole rows are needed
   (``fast_fuses_exp``), the logits GEMM's scaled exponentials (n x V x 2, plus a few float32
   values per tile of classes); ``n`` at most ``FAST_CHUNK_ROWS`` and as large as the budget
-  allows (``fast_row_bytes``).
+  allows (``fast_row_bytes``); without a classifier gradient (a frozen head) and no rounded
+  classifier, as large as ``FROZEN_BUDGET_SHARE`` of what the fixed bytes leave allows.
 * auto: fast when it is valid (scalar loss, gradients wanted, no gradient of the returned lse)
   and a chunk of at least ``fast_floor_rows`` rows, or all rows, fits; else lean. A fast run
   keeps at least that floor (``fast_run_rows``).
@@ -59,6 +60,16 @@ MIN_FAST_DIM = 1024
 MIN_FAST_ROWS = 1024
 # The same without a classifier gradient: no V x D buffer to re-read (module docstring).
 MIN_FROZEN_FAST_ROWS = 256
+# The share of the budget a fast run's chunks may take without a classifier gradient (a frozen
+# head: LoRA, PEFT), unless the classifier is rounded (AMP). With no gradient to re-read per
+# chunk, rows past a few hundred buy little time, so a frozen call keeps its whole extra memory
+# (chunks plus compaction's copy of the kept rows, D / V of the logits) under 1/8 of the logits
+# at the default fraction (1/5). H200, session 17 (bench/results/frozen_head.md), x compile's
+# time / extra memory, half the budget against all of it: E bf16 0.98x / 0.109 against 0.97x /
+# 0.193, B bf16 0.89x / 0.110 against 0.91x / 0.193. Under AMP the classifier's rounded copy
+# (V x D x 2, not counted) dominates the memory, so halving the chunks saves little and cost E
+# 1.09x / 0.431 against 0.96x / 0.466: a rounded classifier keeps the whole budget.
+FROZEN_BUDGET_SHARE = 0.5
 # The fewest classes per lean backward slab (see lean_slab_columns): the accumulator's
 # traffic is ~8 N D V / w bytes against 6 N V D FLOPs, ~13% of the GEMMs' time at 2048 on an
 # H100-class GPU (~200 FLOP per byte), ~3% at 8192.
@@ -166,10 +177,15 @@ def fast_row_bytes(problem: Problem, fused: bool = False) -> int:
     return (problem.vocab + problem.dim) * 4
 
 
-def fast_chunk_rows(problem: Problem, budget: int, fused: bool = False) -> int:
+def fast_chunk_rows(
+    problem: Problem, budget: int, fused: bool = False, needs_classifier: bool = True
+) -> int:
     """Rows per fast-mode chunk within the budget (0 if not even one row fits), at
-    ``fast_row_bytes`` a row."""
+    ``fast_row_bytes`` a row; without a classifier gradient, and the classifier not rounded,
+    within ``FROZEN_BUDGET_SHARE`` of what the fixed bytes leave."""
     left = budget - fast_fixed_bytes(problem)
+    if not needs_classifier and not problem.rounds_classifier:
+        left = int(left * FROZEN_BUDGET_SHARE)
     per_row = fast_row_bytes(problem, fused)
     return max(0, min(FAST_CHUNK_ROWS, problem.rows, left // per_row))
 
@@ -193,7 +209,7 @@ def fast_fits(problem: Problem, needs_classifier: bool, budget: int, fused: bool
     GPU at a hidden size where fast's passes over the logits cost less than lean's GEMM?"""
     if problem.device_type == "cuda" and problem.dim < MIN_FAST_DIM:
         return False
-    chunk = fast_chunk_rows(problem, budget, fused)
+    chunk = fast_chunk_rows(problem, budget, fused, needs_classifier)
     return chunk > 0 and chunk >= min(fast_floor_rows(problem, needs_classifier), problem.rows)
 
 
@@ -206,12 +222,15 @@ def fast_run_rows(
 
     The floor matters because auto chose on the whole call and the run sees a little less
     budget (compaction's copy of the kept rows): a chunk a few rows under the floor must stay
-    a budget-sized chunk, not jump to FAST_CHUNK_ROWS' gigabytes."""
-    chunk = fast_chunk_rows(problem, budget, fused)
-    if chunk > 0:
-        chunk = max(chunk, fast_floor_rows(problem, needs_classifier))
-    else:
+    a budget-sized chunk, not jump to FAST_CHUNK_ROWS' gigabytes. (Without a classifier
+    gradient the chunks may take a share of what the budget leaves them: ``fast_chunk_rows``.)"""
+    if fast_chunk_rows(problem, budget, fused) == 0:  # not even a row fits: over the budget
         chunk = FAST_CHUNK_ROWS
+    else:
+        chunk = max(
+            fast_chunk_rows(problem, budget, fused, needs_classifier),
+            fast_floor_rows(problem, needs_classifier),
+        )
     return min(chunk, FAST_CHUNK_ROWS, max(problem.rows, 1))
 
 

@@ -103,6 +103,35 @@ def test_a_frozen_classifier_takes_fast_with_budget_sized_chunks():
     assert choose(needs_classifier=False, budget=under_floor) == "lean"
 
 
+def test_a_frozen_heads_chunks_take_a_share_of_the_budget():
+    """No classifier gradient to re-read per chunk: a frozen call's chunks take
+    FROZEN_BUDGET_SHARE of what the budget leaves, so that with compaction's copy of the kept
+    rows its extra memory stays under 1/8 of the logits at the default fraction (E and B)."""
+    fraction = cce_compile.config.Settings().memory_fraction
+    for rows in (8192, 16384):
+        problem = Problem(rows=rows, vocab=128256, dim=4096, logit_bytes=2)
+        logits = rows * problem.vocab * 2
+        copy = rows * problem.dim * 2  # compaction's copy, were every row kept
+        budget = policy.budget_bytes(problem, None, fraction) - copy
+        frozen = policy.fast_run_rows(problem, False, budget, fused=True)
+        trained = policy.fast_run_rows(problem, True, budget, fused=True)
+        assert frozen == int(budget * policy.FROZEN_BUDGET_SHARE) // FUSED_ROW
+        assert MIN_FROZEN_FAST_ROWS <= frozen < trained
+        assert copy + frozen * FUSED_ROW <= logits / 8
+        assert choose(problem=problem, needs_classifier=False, budget=budget) == "fast"
+
+
+def test_a_frozen_rounded_classifier_keeps_the_whole_budget():
+    """Under AMP the classifier's uncounted rounded copy dominates a frozen call's memory:
+    halving its chunks saved 8% of the memory for 13% of the time at E (H200), so the share
+    applies only to a classifier that is not rounded."""
+    budget = policy.budget_bytes(AMP, None, 0.2)
+    frozen = policy.fast_chunk_rows(AMP, budget, True, needs_classifier=False)
+    assert frozen == policy.fast_chunk_rows(AMP, budget, True) > 0
+    bf16_frozen = policy.fast_chunk_rows(E, budget, True, needs_classifier=False)
+    assert bf16_frozen < policy.fast_chunk_rows(E, budget, True)
+
+
 def test_a_frozen_classifier_under_autocast_takes_fast_beside_autocasts_own_copy():
     """AMP rounds the float32 classifier: that V x D copy is the one autocast makes for
     F.linear, which torch.compile holds too, so it is not counted, and a frozen head (LoRA
