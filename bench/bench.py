@@ -32,6 +32,7 @@ import pathlib
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -464,6 +465,7 @@ def bench_shape(name, methods, reps, warmup, scenario: Scenario):
             )
         except Exception as exc:  # a peer failing must not stop the run
             out["methods"][method] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            traceback.print_exc()  # where it failed, in the run's log
         gc.collect()
         torch.cuda.empty_cache()
         print(f"[{name}/{scenario.name}] {method}: {out['methods'][method]}", flush=True)

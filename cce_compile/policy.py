@@ -61,12 +61,14 @@ MIN_FAST_ROWS = 1024
 # The same without a classifier gradient: no V x D buffer to re-read (module docstring).
 MIN_FROZEN_FAST_ROWS = 256
 # The share of the budget a fast run's chunks may take without a classifier gradient (a frozen
-# head: LoRA, PEFT), unless the classifier is rounded (AMP). With no gradient to re-read per
-# chunk, rows past a few hundred buy little time, so a frozen call keeps its whole extra memory
-# (chunks plus compaction's copy of the kept rows, D / V of the logits) under 1/8 of the logits
-# at the default fraction (1/5). H200, session 17 (bench/results/frozen_head.md), x compile's
-# time / extra memory, half the budget against all of it: E bf16 0.98x / 0.109 against 0.97x /
-# 0.193, B bf16 0.89x / 0.110 against 0.91x / 0.193. Under AMP the classifier's rounded copy
+# head: LoRA, PEFT), unless the classifier is rounded (AMP), and never under the floor where
+# the whole budget holds it (``fast_chunk_rows``). With no gradient to re-read per chunk, rows
+# past a few hundred buy little time, so a frozen call's whole extra memory (chunks plus
+# compaction's copy of the kept rows, D / V of the logits) is 1/10 + D / (2 V) of the logits at
+# the default fraction (1/5): 0.116 at E. H200, session 17 (bench/results/frozen_head.md),
+# x compile's time / extra memory, half the budget against all of it: E bf16 0.98x / 0.109
+# against 0.97x / 0.193, B bf16 0.89x / 0.110 against 0.91x / 0.193 (H100: E 1.00x / 0.109
+# against 0.99x / 0.193, B 0.97x / 0.110 against 0.92x). Under AMP the classifier's rounded copy
 # (V x D x 2, not counted) dominates the memory, so halving the chunks saves little and cost E
 # 1.09x / 0.431 against 0.96x / 0.466: a rounded classifier keeps the whole budget.
 FROZEN_BUDGET_SHARE = 0.5
@@ -181,13 +183,17 @@ def fast_chunk_rows(
     problem: Problem, budget: int, fused: bool = False, needs_classifier: bool = True
 ) -> int:
     """Rows per fast-mode chunk within the budget (0 if not even one row fits), at
-    ``fast_row_bytes`` a row; without a classifier gradient, and the classifier not rounded,
-    within ``FROZEN_BUDGET_SHARE`` of what the fixed bytes leave."""
+    ``fast_row_bytes`` a row. Without a classifier gradient, and the classifier not rounded,
+    within ``FROZEN_BUDGET_SHARE`` of what the fixed bytes leave, but never under the floor
+    (``MIN_FROZEN_FAST_ROWS``) where the whole of it holds the floor: the share saves memory,
+    it must not turn auto to lean's third GEMM."""
     left = budget - fast_fixed_bytes(problem)
-    if not needs_classifier and not problem.rounds_classifier:
-        left = int(left * FROZEN_BUDGET_SHARE)
     per_row = fast_row_bytes(problem, fused)
-    return max(0, min(FAST_CHUNK_ROWS, problem.rows, left // per_row))
+    rows = max(0, left // per_row)
+    if not needs_classifier and not problem.rounds_classifier:
+        share = int(left * FROZEN_BUDGET_SHARE) // per_row
+        rows = max(share, min(rows, MIN_FROZEN_FAST_ROWS))
+    return max(0, min(FAST_CHUNK_ROWS, problem.rows, rows))
 
 
 def skipping_pays(device_type: str, rows: int, vocab: int, dim: int) -> bool:
@@ -217,20 +223,18 @@ def fast_run_rows(
     problem: Problem, needs_classifier: bool, budget: int, fused: bool = False
 ) -> int:
     """Rows per chunk of a fast-mode run (whole float32 rows, or ``fused``: the GEMM's scaled
-    exponentials): the budget's where its fixed bytes fit the budget, at least the floor auto
-    accepts; else (fast asked for over the budget) FAST_CHUNK_ROWS.
+    exponentials): ``fast_chunk_rows``, and at least the floor auto accepts (at most
+    FAST_CHUNK_ROWS and the rows).
 
-    The floor matters because auto chose on the whole call and the run sees a little less
-    budget (compaction's copy of the kept rows): a chunk a few rows under the floor must stay
-    a budget-sized chunk, not jump to FAST_CHUNK_ROWS' gigabytes. (Without a classifier
-    gradient the chunks may take a share of what the budget leaves them: ``fast_chunk_rows``.)"""
-    if fast_chunk_rows(problem, budget, fused) == 0:  # not even a row fits: over the budget
-        chunk = FAST_CHUNK_ROWS
-    else:
-        chunk = max(
-            fast_chunk_rows(problem, budget, fused, needs_classifier),
-            fast_floor_rows(problem, needs_classifier),
-        )
+    The floor, not the tuned FAST_CHUNK_ROWS, is also what a run gets where not even a row
+    fits: auto chose on the whole call, and the run sees less budget (compaction's copy of
+    the kept rows, which can exceed the budget: V = 32000, D = 8192, 8192 rows); and fast asked
+    for over the budget. Either way the run keeps as close to the budget as a useful chunk
+    allows, instead of taking ~the logits' size in 4096-row chunks."""
+    chunk = max(
+        fast_chunk_rows(problem, budget, fused, needs_classifier),
+        fast_floor_rows(problem, needs_classifier),
+    )
     return min(chunk, FAST_CHUNK_ROWS, max(problem.rows, 1))
 
 

@@ -121,6 +121,22 @@ def test_a_frozen_heads_chunks_take_a_share_of_the_budget():
         assert choose(problem=problem, needs_classifier=False, budget=budget) == "fast"
 
 
+@pytest.mark.parametrize("rows", [1472, 2048, 2816, 3328])
+def test_the_frozen_share_never_turns_auto_to_lean(rows):
+    """A frozen head whose whole budget holds the floor (256 rows) but whose share does not
+    (Llama-2/3-sized heads at 1-3 x 2048 tokens) still takes fast, in floor-sized chunks: the
+    share saves memory, it must not cost lean's third GEMM."""
+    for vocab in (32000, 128256):
+        problem = Problem(rows=rows, vocab=vocab, dim=4096, logit_bytes=2)
+        budget = policy.budget_bytes(problem, None, 0.2)
+        if policy.fast_chunk_rows(problem, budget, True) < MIN_FROZEN_FAST_ROWS:
+            continue  # the whole budget does not hold the floor either
+        assert choose(problem=problem, needs_classifier=False, budget=budget) == "fast"
+        run = policy.fast_run_rows(problem, False, budget, fused=True)
+        assert MIN_FROZEN_FAST_ROWS <= run
+        assert run * policy.fast_row_bytes(problem, fused=True) <= budget
+
+
 def test_a_frozen_rounded_classifier_keeps_the_whole_budget():
     """Under AMP the classifier's uncounted rounded copy dominates a frozen call's memory:
     halving its chunks saved 8% of the memory for 13% of the time at E (H200), so the share
@@ -198,8 +214,10 @@ def test_a_fast_run_keeps_to_the_budget_when_auto_would_pick_fast():
     fits_1536 = fixed + 1536 * ROW
     assert choose(budget=fits_1536) == "fast"
     assert policy.fast_run_rows(E, True, fits_1536) == 1536  # (was the tuned 4096: over budget)
-    # fast asked for where no useful chunk fits: the tuned chunk, over the budget
-    assert policy.fast_run_rows(E, True, fixed) == policy.FAST_CHUNK_ROWS
+    # fast asked for where not a row fits: floor-sized chunks, as close to the budget as a
+    # useful chunk allows (not the tuned 4096 rows: ~the logits' size)
+    assert policy.fast_run_rows(E, True, fixed) == policy.fast_floor_rows(E, True)
+    assert policy.fast_run_rows(E, True, -(10**9)) == policy.fast_floor_rows(E, True)
     few = Problem(rows=7, vocab=10, dim=3, logit_bytes=2)
     assert policy.fast_run_rows(few, True, 0) == 7
 
