@@ -12,9 +12,9 @@ For each token chunk of ``n`` rows:
 Fused (``policy.fast_fuses_exp``: a bf16 / fp16 gradient; not with softcap, entropy, argmax
 or a shard): a Triton GEMM (``logits_exp``) writes each tile's exp(z - tile max) into the
 gradient buffer in the compute dtype, with the tile maxima and partial lse; then
-``scaled_exp_grad`` turns them into the gradient with the rows' lse. No float32 logits: two
-bytes a logit instead of four, so a budget holds ~1.9x the rows (fewer chunks, fewer re-reads
-of the classifier's gradient), and less traffic per logit.
+``scaled_exp_grad`` reduces the partials to the rows' lse and turns them into the gradient.
+No float32 logits: two bytes a logit instead of four, so a budget holds ~1.9x the rows (fewer
+chunks, fewer re-reads of the classifier's gradient), and less traffic per logit.
 Mixed precision (``compute_dtype`` rounding float32 inputs, autocast's form): hidden and the
 classifier are rounded once (cuBLAS needs the classifier whole per chunk); classifier
 gradients are written in float32 directly. The chunk size comes from ``policy`` (the memory
@@ -316,24 +316,23 @@ def _fused_gemm(
 
 
 def _fused_pass2(kernel_args: dict, out: _FastBuffers, span: tuple) -> None:
-    """After ``_fused_gemm``: the rows' lse from its partials, then the gradient in place
-    (``scaled_exp_grad``)."""
+    """After ``_fused_gemm``: the gradient in place, and the rows' lse (and weighted sums)
+    from the GEMM's partials, in one launch (``scaled_exp_grad``)."""
     start, stop = span
     n = stop - start
-    grad, block_max = out.grad[:n], out.block_max[:n]
     lse, target_logit, wsum = (shared.part(s, start, stop) for s in out.stats)
     partial_wsum = None if out.partial_wsum is None else out.partial_wsum[:n]
-    torch.logsumexp(out.partial_lse[:n], 1, out=lse)
-    if partial_wsum is not None:
-        torch.sum(partial_wsum, 1, out=wsum)
     coefs = tuple(kernel_args[k] for k in ("p_base", "p_per_lse", "coef_t", "coef_w"))
     scaled_exp_grad(
-        grad,
-        block_max,
+        out.grad[:n],
+        out.block_max[:n],
+        out.partial_lse[:n],
         kernel_args["targets"],
         target_logit,
         coefs,
         lse,
+        partial_wsum=partial_wsum,
+        wsum=None if partial_wsum is None else wsum,
         logit_scale=kernel_args["logit_scale"],
         smoothing=kernel_args["smoothing"],
         class_weights=kernel_args["class_weights"],

@@ -9,7 +9,8 @@
   (``chunk_row_stats``, then the gradient with a given lse).
 * ``logits_exp``: fast mode's logits GEMM whose epilogue writes each chunk's exp(z - tile max)
   in the compute dtype, with per-tile maxima and partial lse (no float32 logits).
-* ``scaled_exp_grad``: turns those exponentials into the gradient in place, with each row's lse.
+* ``scaled_exp_grad``: reduces the partials to each row's lse and turns those exponentials into
+  the gradient in place.
 * ``scale_cast``: (x * scale).to(dtype) in one pass: fast mode's backward scaling its float32
   unit-upstream gradients by the upstream gradient.
 

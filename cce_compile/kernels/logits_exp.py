@@ -10,8 +10,7 @@ rounded once to the chunk's gradient buffer (n x V, the compute dtype; by TMA wh
 are 16-byte aligned), with m_t into ``block_max`` and m_t + log(sum e) into ``partial_lse``
 (both n x tiles, float32). The tile that holds a row's target writes that float32 target
 logit; with label smoothing each tile writes its sum_j w_j z_j (``partial_wsum``).
-``scaled_exp_grad`` then turns e into the gradient with the rows' lse (the partials'
-logsumexp).
+``scaled_exp_grad`` then reduces the partials to the rows' lse and turns e into the gradient.
 
 So a logit costs the GEMM's write of two bytes, and a chunk is one launch. Accuracy: e is
 rounded once (relative 2^-8 at worst), and the target's entry is recomputed in pass 2 from its

@@ -1,15 +1,18 @@
 """Fast mode, pass 2: scaled exponentials -> the logits' gradient.
 
 After pass 1 (``logits_exp``, fused into the logits GEMM) each row of a token chunk holds
-e = exp(z - m_b) per class (the chunk's gradient buffer), m_b per block of classes (a GEMM
-tile), and its lse. One program per row streams the row and writes, over e in place,
+e = exp(z - m_b) per class (the chunk's gradient buffer), and per block of classes (a GEMM
+tile) m_b and the block's partial lse (and, with label smoothing, its partial weighted sum).
+One program per row reduces the row's partials to its lse (and weighted sum), stores them,
+then streams the row and writes, over e in place,
 
     d loss / d y = (coef_p * p - coef_t * onehot - coef_w * w) * logit_scale,
     p = e * exp(m_b - lse),  coef_p = p_base + p_per_lse * lse,
 
 except at the target, where p is exp(z_t - lse) from the float32 target logit: the one large
 entry, p_t - 1, is never built from a rounded e. Bytes per logit: one read and one write of
-the compute dtype.
+the compute dtype. Reducing the partials here, not in a ``torch.logsumexp`` before the launch,
+saves a chunk several small kernels and their host launches (the host bounds small problems).
 """
 
 from __future__ import annotations
@@ -25,9 +28,38 @@ BLOCK = 2048
 
 
 @triton.jit
+def _row_lse(
+    partial_lse,
+    partial_wsum,
+    row_lse,
+    row_wsum,
+    row,
+    stride,
+    blocks,
+    HAS_WSUM: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """The row's lse from its blocks' partial lse (as ``torch.logsumexp``: -inf where every
+    block is -inf, inf where one is, NaN where one is NaN), stored with its weighted sum."""
+    offs = tl.arange(0, BLOCKS)
+    ok = offs < blocks
+    parts = tl.load(partial_lse + row * stride + offs, mask=ok, other=float("-inf"))
+    top = tl.max(parts, axis=0)
+    top = tl.where((top == float("-inf")) | (top == float("inf")), 0.0, top)
+    lse = top + tl.log(tl.sum(tl.exp(parts - top), axis=0))
+    tl.store(row_lse + row, lse)
+    if HAS_WSUM:
+        wsum = tl.sum(tl.load(partial_wsum + row * stride + offs, mask=ok, other=0.0), axis=0)
+        tl.store(row_wsum + row, wsum)
+    return lse
+
+
+@triton.jit
 def _scaled_exp_grad_kernel(
     exps,
     block_max,
+    partial_lse,
+    partial_wsum,
     targets,
     class_weights,
     target_logit,
@@ -36,20 +68,27 @@ def _scaled_exp_grad_kernel(
     coef_t,
     coef_w,
     row_lse,
+    row_wsum,
     vocab,
     stride_exps,
     stride_block_max,
+    stride_partials,
     logit_scale,
     HAS_WEIGHTS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
+    HAS_WSUM: tl.constexpr,
     BLOCK: tl.constexpr,
     MAX_BLOCK: tl.constexpr,
+    BLOCKS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     exp_ptr = exps + row * stride_exps
     max_ptr = block_max + row * stride_block_max
-    lse = tl.load(row_lse + row)
+    blocks = tl.cdiv(vocab, MAX_BLOCK)
+    lse = _row_lse(
+        partial_lse, partial_wsum, row_lse, row_wsum, row, stride_partials, blocks, HAS_WSUM, BLOCKS
+    )
     tgt = tl.load(targets + row)
     p_target = tl.exp(tl.load(target_logit + row) - lse)
     c_p, c_t, c_w, active = row_coefficients(
@@ -78,11 +117,14 @@ def _scaled_exp_grad_kernel(
 def scaled_exp_grad(
     exps: torch.Tensor,
     block_max: torch.Tensor,
+    partial_lse: torch.Tensor,
     targets: torch.Tensor,
     target_logit: torch.Tensor,
     coefs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor],
     lse: torch.Tensor,
     *,
+    partial_wsum: torch.Tensor | None = None,
+    wsum: torch.Tensor | None = None,
     logit_scale: float,
     smoothing: bool,
     class_weights: torch.Tensor | None = None,
@@ -91,31 +133,40 @@ def scaled_exp_grad(
     num_warps: int = 8,
 ) -> None:
     """Pass 2 over a chunk's n rows: ``exps`` (n, V), as ``logits_exp`` left it, becomes the
-    logits' gradient in place.
+    logits' gradient in place, and each row's lse is written to ``lse`` (and, with
+    ``partial_wsum``, its weighted sum to ``wsum``).
 
-    ``block_max`` (n, ceil(V / max_block)) float32, one maximum per ``max_block`` classes (a
-    power of two dividing ``block``, the classes per loop step):
-    ``logits_exp`` writes one per GEMM tile. ``target_logit`` and ``lse`` (the rows' lse,
-    read) (n,) float32; ``targets`` (n,) int64, each row's target column (clamped for rows
-    without a loss: their coefficients are 0); ``coefs`` = (p_base, p_per_lse or None,
-    coef_t, coef_w), float32 (n,) each, as ``chunk_softmax_grad`` takes them."""
+    ``block_max``, ``partial_lse`` and ``partial_wsum`` (n, ceil(V / max_block)) float32 with a
+    unit column stride, one value per ``max_block`` classes (a power of two dividing
+    ``block``, the classes per loop step): ``logits_exp`` writes one per GEMM tile; the two
+    partials share a row stride. ``target_logit`` (read), ``lse`` and ``wsum`` (written) (n,)
+    float32; ``targets`` (n,) int64, each row's target column (clamped for rows without a
+    loss: their coefficients are 0); ``coefs`` = (p_base, p_per_lse or None, coef_t, coef_w),
+    float32 (n,) each, as ``chunk_softmax_grad`` takes them."""
     n_rows, vocab = exps.shape
     if exps.stride(1) != 1 or not exps.dtype.is_floating_point:
         raise ValueError("exps must be floating (n, V) with unit column stride")
     if block % max_block:
         raise ValueError(f"max_block {max_block} must divide block {block}")
     blocks = -(-vocab // max_block)
-    if block_max.shape != (n_rows, blocks) or block_max.dtype != torch.float32:
-        raise ValueError(f"block_max must be float32 ({n_rows}, {blocks})")
-    if block_max.stride(1) != 1:
-        raise ValueError("block_max needs a unit column stride")
+    for name, t in (("block_max", block_max), ("partial_lse", partial_lse)):
+        if t.shape != (n_rows, blocks) or t.dtype != torch.float32 or t.stride(1) != 1:
+            raise ValueError(f"{name} must be float32 ({n_rows}, {blocks}), unit column stride")
+    if (partial_wsum is None) != (wsum is None):
+        raise ValueError("partial_wsum and wsum come together")
+    if partial_wsum is not None and (
+        partial_wsum.shape != partial_lse.shape
+        or partial_wsum.dtype != torch.float32
+        or partial_wsum.stride() != partial_lse.stride()
+    ):
+        raise ValueError("partial_wsum must be float32 like partial_lse, with its strides")
     # (the program indexes every row vector by its row alone: a strided view would be misread)
     if targets.shape != (n_rows,) or targets.dtype != torch.int64 or not targets.is_contiguous():
         raise ValueError(f"targets must be contiguous int64 ({n_rows},)")
     if class_weights is not None and class_weights.shape != (vocab,):
         raise ValueError(f"class_weights must be ({vocab},)")
     p_base, p_per_lse, coef_t, coef_w = coefs
-    for t in (target_logit, p_base, p_per_lse, coef_t, coef_w, lse):
+    for t in (target_logit, p_base, p_per_lse, coef_t, coef_w, lse, wsum):
         if t is not None and (
             t.shape != (n_rows,) or t.dtype != torch.float32 or not t.is_contiguous()
         ):
@@ -125,6 +176,8 @@ def scaled_exp_grad(
     _scaled_exp_grad_kernel[(n_rows,)](
         exps,
         block_max,
+        partial_lse,
+        partial_wsum if partial_wsum is not None else partial_lse,
         targets,
         class_weights.contiguous() if class_weights is not None else p_base,
         target_logit,
@@ -133,14 +186,18 @@ def scaled_exp_grad(
         coef_t,
         coef_w,
         lse,
+        wsum if wsum is not None else lse,
         vocab,
         exps.stride(0),
         block_max.stride(0),
+        partial_lse.stride(0),
         float(logit_scale),
         HAS_WEIGHTS=class_weights is not None,
         HAS_SMOOTHING=smoothing,
         HAS_Z_LOSS=p_per_lse is not None,
+        HAS_WSUM=partial_wsum is not None,
         BLOCK=block,
         MAX_BLOCK=max_block,
+        BLOCKS=triton.next_power_of_2(blocks),
         num_warps=num_warps,
     )

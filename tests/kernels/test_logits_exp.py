@@ -59,21 +59,24 @@ def _run_fused(
         config=config,
     )
     first_pass = exps.clone()
-    lse = torch.logsumexp(partial_lse, 1)
+    lse = f32(n)  # written by pass 2, from the partials
+    wsum = f32(n) if smoothing else None
     scaled_exp_grad(
         exps,
         block_max,
+        partial_lse,
         targets,
         target_logit,
         coefs,
         lse,
+        partial_wsum=partial_wsum,
+        wsum=wsum,
         logit_scale=scale,
         smoothing=smoothing,
         class_weights=weights,
         block=4 * config.block_v,
         max_block=config.block_v,
     )
-    wsum = None if partial_wsum is None else partial_wsum.sum(1)
     return first_pass, block_max, exps, lse, target_logit, wsum
 
 
@@ -226,6 +229,8 @@ SCALED_EXP_GRAD_MISMATCHES = {
     "strided_target_logit": "contiguous",
     "strided_lse": "contiguous",
     "block_max_shape": "block_max",
+    "partial_lse_shape": "partial_lse",
+    "wsum_alone": "come together",
     "max_block": "must divide",
 }
 
@@ -244,6 +249,7 @@ def test_scaled_exp_grad_rejects_mismatched_buffers(bad, match):
     args = dict(
         exps=torch.zeros(n, vocab, device=DEVICE),
         block_max=torch.zeros(n, vocab // max_block, device=DEVICE),
+        partial_lse=torch.zeros(n, vocab // max_block, device=DEVICE),
         targets=torch.tensor([3, 7, 20, 31], device=DEVICE),
         target_logit=row(),
         coefs=(row(), None, row(), row()),
@@ -252,9 +258,49 @@ def test_scaled_exp_grad_rejects_mismatched_buffers(bad, match):
     if bad.startswith("strided"):
         name = bad.removeprefix("strided_")
         args[name] = _every_other(args[name])
-    elif bad == "block_max_shape":
-        args["block_max"] = torch.zeros(n, vocab // block, device=DEVICE)
+    elif bad.endswith("_shape"):
+        name = bad.removesuffix("_shape")
+        args[name] = torch.zeros(n, vocab // block, device=DEVICE)
+    elif bad == "wsum_alone":
+        args["wsum"] = row()
     else:
         max_block = 3 * block
     with pytest.raises(ValueError, match=match):
         scaled_exp_grad(**args, logit_scale=1.0, smoothing=False, block=block, max_block=max_block)
+
+
+def test_pass2_reduces_the_partials_as_torch_logsumexp():
+    """Each row's lse comes from its blocks' partial lse inside pass 2: -inf where every block
+    is -inf (a row masked out by its bias), inf where one is, NaN where one is NaN, as
+    ``torch.logsumexp`` gives; the weighted sums are the partials' sums."""
+    from cce_compile.kernels.scaled_exp_grad import scaled_exp_grad
+
+    n, vocab, max_block = 5, 40, 8
+    blocks = vocab // max_block
+    gen = torch.Generator().manual_seed(3)
+    partial_lse = torch.randn(n, blocks, generator=gen) * 30
+    partial_lse[1] = float("-inf")
+    partial_lse[2, 3] = float("inf")
+    partial_lse[3, 0] = float("nan")
+    partial_lse[4, 1:] = float("-inf")
+    partial_wsum = torch.randn(n, blocks, generator=gen)
+    row = lambda: torch.zeros(n, device=DEVICE)  # noqa: E731
+    lse, wsum = row(), row()
+    scaled_exp_grad(
+        torch.zeros(n, vocab, device=DEVICE),
+        torch.zeros(n, blocks, device=DEVICE),
+        partial_lse.to(DEVICE),
+        torch.zeros(n, dtype=torch.int64, device=DEVICE),
+        row(),
+        (row(), None, row(), row()),
+        lse,
+        partial_wsum=partial_wsum.to(DEVICE),
+        wsum=wsum,
+        logit_scale=1.0,
+        smoothing=True,
+        block=16,
+        max_block=max_block,
+    )
+    expected = torch.logsumexp(partial_lse.double(), 1)
+    torch.testing.assert_close(lse.cpu().double(), expected, rtol=1e-6, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(wsum.cpu(), partial_wsum.sum(1), rtol=1e-6, atol=1e-6)
