@@ -177,17 +177,24 @@ def _cce_methods():
 
     methods["cce_auto_every_row"] = lambda: auto_every_row
 
-    def auto_skip_at_any_size(h, c, t):
-        """The default skipping ignored rows whatever the size (policy.MIN_SKIP_MACS = 0)."""
+    def auto_with_constant(name, value):
+        """The default with ``policy``'s constant ``name`` set to ``value`` for the call."""
         from cce_compile import policy
 
-        floor, policy.MIN_SKIP_MACS = policy.MIN_SKIP_MACS, 0
-        try:
-            return cce_compile.linear_cross_entropy(h, c, t)
-        finally:
-            policy.MIN_SKIP_MACS = floor
+        def loss(h, c, t):
+            saved = getattr(policy, name)
+            setattr(policy, name, value)
+            try:
+                return cce_compile.linear_cross_entropy(h, c, t)
+            finally:
+                setattr(policy, name, saved)
 
-    methods["cce_auto_skip_any_size"] = lambda: auto_skip_at_any_size
+        return loss
+
+    # skipping ignored rows whatever the size (policy.MIN_SKIP_MACS = 0)
+    methods["cce_auto_skip_any_size"] = lambda: auto_with_constant("MIN_SKIP_MACS", 0)
+    # a frozen head's chunks on the whole budget: sessions 12-16's frozen default
+    methods["cce_auto_frozen_whole_budget"] = lambda: auto_with_constant("FROZEN_BUDGET_SHARE", 1.0)
 
     def auto_with_policy(h, c, t, **rules):
         """The default with some of ``policy``'s functions replaced by constants."""
@@ -209,19 +216,6 @@ def _cce_methods():
         return auto_with_policy(h, c, t, fast_fuses_exp=False)
 
     methods["cce_auto_whole_rows"] = lambda: auto_whole_rows
-
-    def auto_frozen_whole_budget(h, c, t):
-        """The default with a frozen head's chunks on the whole budget
-        (policy.FROZEN_BUDGET_SHARE = 1): sessions 12-16's frozen default."""
-        from cce_compile import policy
-
-        share, policy.FROZEN_BUDGET_SHARE = policy.FROZEN_BUDGET_SHARE, 1.0
-        try:
-            return cce_compile.linear_cross_entropy(h, c, t)
-        finally:
-            policy.FROZEN_BUDGET_SHARE = share
-
-    methods["cce_auto_frozen_whole_budget"] = lambda: auto_frozen_whole_budget
 
     def auto_with_budget(h, c, t, megabytes):
         """The default under CCE_MEMORY_BUDGET_MB=megabytes (fewer, larger chunks and slabs on

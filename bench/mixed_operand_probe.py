@@ -174,9 +174,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1230,2460", help="rows per chunk (E under AMP: 1230)")
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
-    triton.set_allocator(
-        lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda")
-    )
+    triton.set_allocator(_scratch)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     for rows in (int(r) for r in args.rows.split(",")):
         probe_gemms(rows, args.reps)

@@ -12,7 +12,8 @@ then streams the row and writes, over e in place,
 except at the target, where p is exp(z_t - lse) from the float32 target logit: the one large
 entry, p_t - 1, is never built from a rounded e. Bytes per logit: one read and one write of
 the compute dtype. Reducing the partials here, not in a ``torch.logsumexp`` before the launch,
-saves a chunk several small kernels and their host launches (the host bounds small problems).
+spares each chunk several small kernels and their launches (no speed change was resolvable on
+an H200: bench/results/gpu_tests.md, session 17).
 """
 
 from __future__ import annotations
@@ -171,7 +172,12 @@ def scaled_exp_grad(
             t.shape != (n_rows,) or t.dtype != torch.float32 or not t.is_contiguous()
         ):
             raise ValueError(f"row vectors must be contiguous float32 ({n_rows},)")
-    if n_rows == 0 or vocab == 0:
+    if vocab == 0:  # no classes: each row's lse is log(0), as torch.logsumexp of no terms
+        lse.fill_(float("-inf"))
+        if wsum is not None:
+            wsum.zero_()
+        return
+    if n_rows == 0:
         return
     _scaled_exp_grad_kernel[(n_rows,)](
         exps,

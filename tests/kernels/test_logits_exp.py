@@ -231,6 +231,7 @@ SCALED_EXP_GRAD_MISMATCHES = {
     "block_max_shape": "block_max",
     "partial_lse_shape": "partial_lse",
     "wsum_alone": "come together",
+    "partial_wsum_stride": "its strides",
     "max_block": "must divide",
 }
 
@@ -263,6 +264,9 @@ def test_scaled_exp_grad_rejects_mismatched_buffers(bad, match):
         args[name] = torch.zeros(n, vocab // block, device=DEVICE)
     elif bad == "wsum_alone":
         args["wsum"] = row()
+    elif bad == "partial_wsum_stride":  # the two partials share the kernel's row stride
+        args["wsum"] = row()
+        args["partial_wsum"] = torch.zeros(n, 2 * (vocab // max_block), device=DEVICE)[:, ::2]
     else:
         max_block = 3 * block
     with pytest.raises(ValueError, match=match):
@@ -304,3 +308,31 @@ def test_pass2_reduces_the_partials_as_torch_logsumexp():
     expected = torch.logsumexp(partial_lse.double(), 1)
     torch.testing.assert_close(lse.cpu().double(), expected, rtol=1e-6, atol=1e-5, equal_nan=True)
     torch.testing.assert_close(wsum.cpu(), partial_wsum.sum(1), rtol=1e-6, atol=1e-6)
+
+
+def test_pass2_without_classes_gives_each_row_log_zero():
+    """No classes (a (0, D) classifier): torch.logsumexp over no terms is -inf, and the
+    weighted sum over no classes 0; the rows' buffers must not keep what was in memory."""
+    from cce_compile.kernels.scaled_exp_grad import scaled_exp_grad
+
+    n = 3
+    lse, wsum = torch.full((n,), 123.0, device=DEVICE), torch.full((n,), 123.0, device=DEVICE)
+    empty = torch.zeros(n, 0, device=DEVICE)
+    row = torch.zeros(n, device=DEVICE)
+    scaled_exp_grad(
+        empty,
+        empty,
+        empty,
+        torch.zeros(n, dtype=torch.int64, device=DEVICE),
+        row,
+        (row, None, row, row),
+        lse,
+        partial_wsum=empty,
+        wsum=wsum,
+        logit_scale=1.0,
+        smoothing=True,
+        block=16,
+        max_block=8,
+    )
+    assert torch.equal(lse.cpu(), torch.full((n,), float("-inf")))
+    assert torch.equal(wsum.cpu(), torch.zeros(n))
