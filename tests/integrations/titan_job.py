@@ -64,6 +64,12 @@ LAYOUTS = ("fsdp2", "tp2") if RELEASE == "0.2" else ("fsdp2", "fsdp2-reshard-alw
 SUITE_LAYOUT = "fsdp2" if RELEASE == "0.2" else "fsdp2-reshard-always"
 STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.eE+na]+)\s+grad_norm:\s*([-\d.eE+na]+)")
 TIMEOUT_S = 300
+# A run that finished (torchtitan destroyed its process group) and whose rank then aborted in
+# C++ teardown: "terminate called without an active exception", a joinable std::thread
+# destroyed at exit. Seen in ~1 of 18 unfused and fused runs alike on 2 gloo CPU ranks (session
+# 17), so not the loss's doing; such a run is started once more, any other failure is not.
+FINISHED = "Process group destroyed"
+TEARDOWN_ABORT = "terminate called without an active exception"
 
 # torchtitan 0.2.2 job config: the debug model's training settings, float32 parameters (so that
 # fused and unfused differ only by the loss's rounding), no checkpoints, no validation.
@@ -157,9 +163,18 @@ def trainer_flags(layout: str, *, fused: bool) -> list[str]:
     return [*FLAGS_03["base"], *FLAGS_03[layout], "--override.imports", *overrides]
 
 
+def _run(command: list[str], workdir: pathlib.Path) -> tuple[int, str]:
+    """(return code, stdout + stderr) of one run, one OpenMP thread a rank."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        command, cwd=workdir, capture_output=True, text=True, env=env, timeout=TIMEOUT_S
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
 def train(workdir: pathlib.Path, layout: str, *, fused: bool) -> tuple[list[tuple], str]:
     """One torchtitan run: ([(loss, grad_norm) per step], its log). Raises with the log's tail
-    when the run fails."""
+    when the run fails (a finished run that aborts at exit is run once more: TEARDOWN_ABORT)."""
     command = [
         sys.executable,
         "-m",
@@ -170,12 +185,10 @@ def train(workdir: pathlib.Path, layout: str, *, fused: bool) -> tuple[list[tupl
         str(LAUNCHER),
         *trainer_flags(layout, fused=fused),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        command, cwd=workdir, capture_output=True, text=True, env=env, timeout=TIMEOUT_S
-    )
-    log = done.stdout + done.stderr
-    if done.returncode != 0:
+    returncode, log = _run(command, workdir)
+    if returncode != 0 and FINISHED in log and TEARDOWN_ABORT in log:
+        returncode, log = _run(command, workdir)  # finished, then aborted at exit: once more
+    if returncode != 0:
         raise AssertionError(f"torchtitan run failed ({' '.join(command)}):\n{log[-6000:]}")
     steps = {int(m.group(1)): (float(m.group(2)), float(m.group(3))) for m in STEP.finditer(log)}
     return [steps[k] for k in sorted(steps)], log
