@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # The demo's corpus cache (its --cache-dir default).
 DEMO_CACHE ?= $(HOME)/.cache/cce_compile
 
-.PHONY: install test demo lint clean
+.PHONY: install test test-gpu demo lint clean
 
 # Each step says what it does: the torch download alone can take minutes, so pip shows its
 # progress bar for it (and for the rest) instead of running quietly. One stamp per layer: the
@@ -44,6 +44,16 @@ test: install
 	$(PY) -m ruff check cce_compile tests bench examples
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not multiprocess" $(PYTEST_ARGS)
 	$(PY) -m pytest -q -m multiprocess $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+# On a CUDA machine whose Python has torch and triton (the device machine; no venv): the tests
+# marked gpu, then the Triton kernel and path tests, which carry no marker (CI runs them in
+# Triton's interpreter) and run on the GPU only when named.
+GPU_KERNEL_TESTS = tests/kernels tests/implementations/test_triton_path.py \
+	tests/implementations/test_split_vocabulary.py tests/op/test_compaction.py \
+	tests/test_entropy_argmax.py tests/test_filtering.py
+test-gpu:
+	$(PYTHON) -m pytest -q -p no:cacheprovider -m gpu tests $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q -p no:cacheprovider $(GPU_KERNEL_TESTS) $(PYTEST_ARGS)
 
 demo: $(VENV)/.installed-demo
 	$(PY) -m cce_compile.demo $(DEMO_ARGS)
