@@ -147,6 +147,15 @@ def loss_step(name: str, scenario: Scenario, mode: str | None = None, **settings
     return step, (hidden, classifier)
 
 
+def save_results(out: pathlib.Path, stem: str, results: dict, table: str) -> None:
+    """``results`` as ``stem``.json and its markdown ``table`` as ``stem``.md in ``out``, and
+    the table printed: how the profiling scripts end."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / f"{stem}.md").write_text(table + "\n")
+    print(table)
+
+
 def eager_loss(hidden, classifier, targets):
     logits = hidden @ classifier.T
     return F.cross_entropy(logits.float(), targets, ignore_index=-100)
@@ -177,45 +186,30 @@ def _cce_methods():
 
     methods["cce_auto_every_row"] = lambda: auto_every_row
 
-    def auto_with_constant(name, value):
-        """The default with ``policy``'s constant ``name`` set to ``value`` for the call."""
+    def auto_with_policy(**values):
+        """The default with some of ``policy``'s names replaced for the call (a function by
+        a function, a constant by a constant)."""
         from cce_compile import policy
 
         def loss(h, c, t):
-            saved = getattr(policy, name)
-            setattr(policy, name, value)
+            saved = {name: getattr(policy, name) for name in values}
+            for name, value in values.items():
+                setattr(policy, name, value)
             try:
                 return cce_compile.linear_cross_entropy(h, c, t)
             finally:
-                setattr(policy, name, saved)
+                for name, value in saved.items():
+                    setattr(policy, name, value)
 
         return loss
 
-    # skipping ignored rows whatever the size (policy.MIN_SKIP_MACS = 0)
-    methods["cce_auto_skip_any_size"] = lambda: auto_with_constant("MIN_SKIP_MACS", 0)
+    # skipping ignored rows whatever the size
+    methods["cce_auto_skip_any_size"] = lambda: auto_with_policy(MIN_SKIP_MACS=0)
     # a frozen head's chunks on the whole budget: sessions 12-16's frozen default
-    methods["cce_auto_frozen_whole_budget"] = lambda: auto_with_constant("FROZEN_BUDGET_SHARE", 1.0)
-
-    def auto_with_policy(h, c, t, **rules):
-        """The default with some of ``policy``'s functions replaced by constants."""
-        from cce_compile import policy
-
-        saved = {name: getattr(policy, name) for name in rules}
-        for name, value in rules.items():
-            setattr(policy, name, lambda *args, value=value: value)
-        try:
-            return cce_compile.linear_cross_entropy(h, c, t)
-        finally:
-            for name, rule in saved.items():
-                setattr(policy, name, rule)
-
-    def auto_whole_rows(h, c, t):
-        """The default with fast mode's chunks as whole float32 rows (cuBLAS logits, then
-        ``chunk_softmax_grad``), not the GEMM's scaled exponentials: session 14's whole-row
-        form."""
-        return auto_with_policy(h, c, t, fast_fuses_exp=False)
-
-    methods["cce_auto_whole_rows"] = lambda: auto_whole_rows
+    methods["cce_auto_frozen_whole_budget"] = lambda: auto_with_policy(FROZEN_BUDGET_SHARE=1.0)
+    # fast mode's chunks as whole float32 rows (cuBLAS logits, then chunk_softmax_grad), not
+    # the GEMM's scaled exponentials: session 14's whole-row form
+    methods["cce_auto_whole_rows"] = lambda: auto_with_policy(fast_fuses_exp=lambda *a, **k: False)
 
     def auto_with_budget(h, c, t, megabytes):
         """The default under CCE_MEMORY_BUDGET_MB=megabytes (fewer, larger chunks and slabs on

@@ -21,7 +21,7 @@ import tempfile
 import torch
 
 sys.path += [str(pathlib.Path(__file__).resolve().parents[i]) for i in (0, 1)]
-from bench import Scenario, environment, loss_step  # noqa: E402
+from bench import Scenario, environment, loss_step, save_results  # noqa: E402
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -120,8 +120,6 @@ def main(argv=None):
     parser.add_argument("--min-gap-us", type=float, default=10.0)
     parser.add_argument("--out", default="bench/results/gpu_idle")
     args = parser.parse_args(argv)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     results = {"environment": environment(), "steps": []}
     skips = (True, False) if args.every_row else (True,)
     for scenario in map(Scenario.parse, args.scenarios.split(",")):
@@ -141,10 +139,7 @@ def main(argv=None):
                         )
                     )
                     torch.cuda.empty_cache()
-    (out / "gpu_idle.json").write_text(json.dumps(results, indent=1))
-    table = markdown(results)
-    (out / "gpu_idle.md").write_text(table + "\n")
-    print(table)
+    save_results(pathlib.Path(args.out), "gpu_idle", results, markdown(results))
 
 
 if __name__ == "__main__":

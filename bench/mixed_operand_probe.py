@@ -31,8 +31,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path += [str(pathlib.Path(__file__).resolve().parents[i]) for i in (0, 1)]
 from bench import cuda_time_ms  # noqa: E402
+from cce_compile.kernels.common import grouped_tile  # noqa: E402
 
 VOCAB, DIM = 128256, 4096
 # (block_m, block_n, block_k, stages, warps); 128 x 256 x 64 in three stages is fast mode's
@@ -45,14 +46,6 @@ TILES = [
     (128, 128, 64, 4, 4),
     (128, 256, 64, 3, 8),
 ]
-
-
-@triton.jit
-def _tile(tile, m, n, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr):
-    per_group = GROUP * tl.cdiv(n, BN)
-    first = (tile // per_group) * GROUP
-    size = tl.minimum(tl.cdiv(m, BM) - first, GROUP)
-    return first + (tile % per_group) % size, (tile % per_group) // size
 
 
 @triton.jit
@@ -73,7 +66,7 @@ def _gemm_kernel(
 ):
     tiles = tl.cdiv(m, BM) * tl.cdiv(n, BN)
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
-        pm, pn = _tile(tile, m, n, BM, BN, 8)
+        pm, pn = grouped_tile(tile, m, n, BM, BN, 8)  # fast mode's tile order
         cols = tl.minimum(pn * BN + tl.arange(0, BN), n - 1).to(tl.int64)
         offs_k = tl.arange(0, BK)
         acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import pathlib
 import statistics
 import sys
@@ -28,6 +27,7 @@ from bench import (  # noqa: E402
     cuda_time_ms,
     environment,
     loss_step,
+    save_results,
 )
 
 OURS = ("_lse_forward", "_logit_grad", "_chunk_softmax_grad", "_scale_cast")
@@ -160,18 +160,13 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", default="bench/results/profile")
     args = parser.parse_args(argv)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     results = {"environment": environment(), "profiles": []}
     for scenario in map(Scenario.parse, args.scenarios.split(",")):
         for name in args.shapes.split(","):
             for mode in args.mode.split(","):
                 results["profiles"].append(profile_shape(name, scenario, mode, args.steps))
                 torch.cuda.empty_cache()
-    (out / "profile.json").write_text(json.dumps(results, indent=1))
-    table = markdown(results)
-    (out / "profile.md").write_text(table + "\n")
-    print(table)
+    save_results(pathlib.Path(args.out), "profile", results, markdown(results))
 
 
 if __name__ == "__main__":

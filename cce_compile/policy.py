@@ -185,14 +185,14 @@ def fast_chunk_rows(
     """Rows per fast-mode chunk within the budget (0 if not even one row fits), at
     ``fast_row_bytes`` a row. Without a classifier gradient, and the classifier not rounded,
     within ``FROZEN_BUDGET_SHARE`` of what the fixed bytes leave, but never under the floor
-    (``MIN_FROZEN_FAST_ROWS``) where the whole of it holds the floor: the share saves memory,
-    it must not turn auto to lean's third GEMM."""
+    (``fast_floor_rows``) where the whole of it holds the floor: the share saves memory, it
+    must not turn auto to lean's third GEMM."""
     left = budget - fast_fixed_bytes(problem)
     per_row = fast_row_bytes(problem, fused)
     rows = max(0, left // per_row)
     if not needs_classifier and not problem.rounds_classifier:
         share = int(left * FROZEN_BUDGET_SHARE) // per_row
-        rows = max(share, min(rows, MIN_FROZEN_FAST_ROWS))
+        rows = max(share, min(rows, fast_floor_rows(problem, needs_classifier)))
     return max(0, min(FAST_CHUNK_ROWS, problem.rows, rows))
 
 

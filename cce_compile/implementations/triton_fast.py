@@ -168,6 +168,12 @@ class _FastBuffers:
         self.partial_lse = torch.empty_like(self.block_max)
         self.partial_wsum = torch.empty_like(self.partial_lse) if head.spec.needs_wsum else None
 
+    def fused_parts(self, n: int) -> tuple:
+        """The first ``n`` rows of the fused buffers: (gradient, tile maxima, partial lse,
+        partial weighted sums or None)."""
+        wsum = None if self.partial_wsum is None else self.partial_wsum[:n]
+        return self.grad[:n], self.block_max[:n], self.partial_lse[:n], wsum
+
     def chunk_outputs(self, start: int, stop: int) -> dict:
         """``chunk_softmax_grad``'s output arguments for the positions [start, stop)."""
         return dict(
@@ -296,17 +302,15 @@ def _fused_gemm(
     """A chunk's scaled exponentials from the logits GEMM's epilogue (``logits_exp``), with
     its tile maxima, partial lse (and weighted sums) and target logits."""
     start, stop = span
-    n = stop - start
-    target_logit = shared.part(out.stats[1], start, stop)
-    partial_wsum = None if out.partial_wsum is None else out.partial_wsum[:n]
+    grad, block_max, partial_lse, partial_wsum = out.fused_parts(stop - start)
     logits_exp(
         h,
         classifier,
         kernel_args["targets"],
-        out.grad[:n],
-        out.block_max[:n],
-        out.partial_lse[:n],
-        target_logit,
+        grad,
+        block_max,
+        partial_lse,
+        shared.part(out.stats[1], start, stop),
         partial_wsum,
         logit_scale=kernel_args["logit_scale"],
         bias=kernel_args["bias"],
@@ -319,14 +323,13 @@ def _fused_pass2(kernel_args: dict, out: _FastBuffers, span: tuple) -> None:
     """After ``_fused_gemm``: the gradient in place, and the rows' lse (and weighted sums)
     from the GEMM's partials, in one launch (``scaled_exp_grad``)."""
     start, stop = span
-    n = stop - start
+    grad, block_max, partial_lse, partial_wsum = out.fused_parts(stop - start)
     lse, target_logit, wsum = (shared.part(s, start, stop) for s in out.stats)
-    partial_wsum = None if out.partial_wsum is None else out.partial_wsum[:n]
     coefs = tuple(kernel_args[k] for k in ("p_base", "p_per_lse", "coef_t", "coef_w"))
     scaled_exp_grad(
-        out.grad[:n],
-        out.block_max[:n],
-        out.partial_lse[:n],
+        grad,
+        block_max,
+        partial_lse,
         kernel_args["targets"],
         target_logit,
         coefs,
