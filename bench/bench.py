@@ -91,6 +91,15 @@ class Scenario:
 PEAKED_TARGET_MASS = 0.97
 
 
+def count_first_selection(valid: torch.Tensor, order_of=None):
+    """Fast mode's compaction as before session 18: the count of kept rows waited for
+    (``nonzero``) before the first GEMM, not after it (``compaction._kept_first``'s order;
+    ``order_of``, the implementation's kept-first kernel, is not used)."""
+    from cce_compile.op import compaction
+
+    return compaction.Selection(valid.nonzero().squeeze(1), valid.numel())
+
+
 def make_inputs(n, d, v, scenario: Scenario, seed=0):
     """hidden ~ N(0, 1), classifier ~ N(0, 1) / sqrt(D), targets uniform, some ignored."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -186,25 +195,37 @@ def _cce_methods():
 
     methods["cce_auto_every_row"] = lambda: auto_every_row
 
-    def auto_with_policy(**values):
-        """The default with some of ``policy``'s names replaced for the call (a function by
-        a function, a constant by a constant)."""
-        from cce_compile import policy
+    def auto_patched(module, **values):
+        """The default with some of ``module``'s names replaced for the call (a function by a
+        function, a constant by a constant)."""
 
         def loss(h, c, t):
-            saved = {name: getattr(policy, name) for name in values}
+            saved = {name: getattr(module, name) for name in values}
             for name, value in values.items():
-                setattr(policy, name, value)
+                setattr(module, name, value)
             try:
                 return cce_compile.linear_cross_entropy(h, c, t)
             finally:
                 for name, value in saved.items():
-                    setattr(policy, name, value)
+                    setattr(module, name, value)
 
         return loss
 
+    def auto_with_policy(**values):
+        """The default with some of ``policy``'s names replaced for the call."""
+        from cce_compile import policy
+
+        return auto_patched(policy, **values)
+
+    def auto_count_first():
+        from cce_compile.op import compaction
+
+        return auto_patched(compaction, _kept_first=count_first_selection)
+
     # skipping ignored rows whatever the size
     methods["cce_auto_skip_any_size"] = lambda: auto_with_policy(MIN_SKIP_MACS=0)
+    # the count of kept rows waited for before the first GEMM: sessions 10-17's compaction
+    methods["cce_auto_count_first"] = auto_count_first
     # a frozen head's chunks on the whole budget: sessions 12-16's frozen default
     methods["cce_auto_frozen_whole_budget"] = lambda: auto_with_policy(FROZEN_BUDGET_SHARE=1.0)
     # fast mode's chunks as whole float32 rows (cuBLAS logits, then chunk_softmax_grad), not

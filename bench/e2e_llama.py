@@ -41,7 +41,24 @@ VARIANTS = {
     "cce_lean": ("cce", {"mode": "lean"}),
     "cce_fast": ("cce", {"mode": "fast"}),
     "cce_every_row": ("cce", {"skip_ignored": False}),  # no compaction, no host sync
+    "cce_count_first": ("cce", {}),  # the kept rows' count waited for first (count_first)
 }
+
+
+@contextlib.contextmanager
+def count_first(name):
+    """For ``cce_count_first``: ``bench.count_first_selection`` in place of the kept-first
+    order."""
+    from bench import count_first_selection
+    from cce_compile.op import compaction
+
+    real = compaction._kept_first
+    if name == "cce_count_first":
+        compaction._kept_first = count_first_selection
+    try:
+        yield
+    finally:
+        compaction._kept_first = real
 
 
 def build_model(args):
@@ -140,7 +157,7 @@ def run_variant(name, args):
     import cce_compile
 
     train_step, settings = _training(name, args)
-    with cce_compile.config.override(**settings):
+    with cce_compile.config.override(**settings), count_first(name):
         started = time.perf_counter()
         losses = [train_step(i).item() for i in range(args.warmup)]
         compile_s = time.perf_counter() - started

@@ -1,10 +1,12 @@
 """The host's time before fast mode's first GEMM: what the GPU waits through at a call's start.
 
 Times one warm forward+backward of ``cce_compile.linear_cross_entropy(mode="fast")`` on the host
-(no profiler): from the call to compaction's host synchronisation (``compaction.select``), the
-synchronisation itself, and from it to the first ``logits_exp`` launch. Until that launch the
-GPU has nothing large to run: in a benchmark of the loss alone, or after the synchronisation in
-a model, that host time is GPU idle.
+(no profiler): from the call to compaction's selection (``compaction.select``), the selection
+itself, from it to the first ``logits_exp`` launch, and the wait for the count of kept rows.
+Until that launch the GPU has nothing large to run: in a benchmark of the loss alone, or after
+a host synchronisation in a model, that host time is GPU idle. Before session 18 the selection
+was the synchronisation (``nonzero``); since, fast mode's selection queues a kept-first order
+and the wait comes after the first GEMM's launch (``KeptRows.count``: "count wait").
 
     python bench/host_prework.py --shapes E,G
 """
@@ -21,7 +23,7 @@ import torch
 
 sys.path += [str(pathlib.Path(__file__).resolve().parents[i]) for i in (0, 1)]
 from bench import Scenario, loss_step  # noqa: E402
-from cce_compile.implementations import triton_fast  # noqa: E402
+from cce_compile.implementations import interface, triton_fast  # noqa: E402
 from cce_compile.op import compaction  # noqa: E402
 
 MARKS: dict = {}
@@ -44,7 +46,8 @@ def measure(name: str, skip_ignored: bool, reps: int) -> dict:
     step, _ = loss_step(name, Scenario.parse("bf16"), "fast", skip_ignored=skip_ignored)
     for _ in range(3):
         step()
-    parts = {"to_select": [], "select": [], "select_to_gemm": [], "host": [], "wall": []}
+    parts = {"to_select": [], "select": [], "select_to_gemm": [], "count_wait": []}
+    parts.update(host=[], wall=[])
     for _ in range(reps):
         MARKS.clear()
         torch.cuda.synchronize()
@@ -57,6 +60,8 @@ def measure(name: str, skip_ignored: bool, reps: int) -> dict:
         parts["to_select"].append(sel_in - start)
         parts["select"].append(sel_out - sel_in)
         parts["select_to_gemm"].append(MARKS["gemm"][0] - sel_out)
+        wait_in, wait_out = MARKS.get("count", (start, start))
+        parts["count_wait"].append(wait_out - wait_in)
         parts["host"].append(host - start)
         parts["wall"].append(wall - start)
     return {k: 1e3 * statistics.median(v) for k, v in parts.items()}
@@ -69,9 +74,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     _timed(triton_fast, "logits_exp", "gemm")
     _timed(compaction, "select", "select")
+    _timed(interface.KeptRows, "count", "count")
     print(f"GPU: {torch.cuda.get_device_name()} · torch {torch.__version__}")
-    print("| shape | skip_ignored | to select | select | select to 1st GEMM | host | wall |")
-    print("|---|---|---|---|---|---|---|")
+    columns = "to select | select | select to 1st GEMM | count wait | host | wall"
+    print(f"| shape | skip_ignored | {columns} |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in args.shapes.split(","):
         for skip in (True, False):
             r = measure(name, skip, args.reps)

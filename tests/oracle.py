@@ -184,6 +184,20 @@ def loss_scale(case: Case) -> float:
         return total / max(int(valid.sum()), 1) if case.reduction == "mean" else total
 
 
+def lse_scale(case: Case) -> float:
+    """Size of the terms that cancel in the rows' lse: each row's largest sum_d |h_d c_jd|
+    (+ |b_j|) times |logit_scale| (the norm over rows, as ``rel_error`` takes it). A row whose
+    lse is near 0 (one class whose logit cancels) is computed to float32's error relative to
+    those terms, not to itself (a vocabulary of 1: 5.8e-5 relative to an lse of ~1e-3)."""
+    with torch.no_grad():
+        hidden, _ = _loss_rows(case)
+        bias = None if case.bias is None else case.bias.double().abs()
+        terms = F.linear(hidden.double().abs(), case.classifier.double().abs(), bias)
+        if terms.shape[-1] == 0:
+            return 0.0
+        return (terms.amax(-1) * abs(case.logit_scale)).norm().item()
+
+
 def assert_close(
     name: str, actual: torch.Tensor, expected: torch.Tensor, rtol: float, scale: float = 0.0
 ) -> None:

@@ -95,6 +95,32 @@ class HeadInputs:
         return self.classifier.shape[0]
 
 
+class KeptRows:
+    """The rows of a fast-mode call in compaction's kept-first order, before their count has
+    reached the host: the first ``count()`` rows of the head's (1, N, D) hidden and (1, N)
+    targets are those whose target counts, the rest are ignored rows. An implementation may
+    queue its first chunk's logits GEMM before it asks ``count()`` (``device_count`` lets a
+    kernel stop at the kept rows), so that the GPU has work while the host waits for the count
+    and plans the rest; ``count()`` waits for the count alone, not for work queued after it."""
+
+    def __init__(self, device_count: torch.Tensor, read: Callable[[], int]):
+        self.device_count = device_count  # 0-d int64 on the head's device
+        self._read = read
+        self._count: int | None = None
+
+    def count(self) -> int:
+        """The number of kept rows (the first call waits for it: a host synchronisation)."""
+        if self._count is None:
+            self._count = self._read()
+        return self._count
+
+    def first(self, head: HeadInputs, rows: RowTargets) -> tuple[HeadInputs, RowTargets]:
+        """``head`` and ``rows`` restricted to the kept rows."""
+        n = self.count()
+        kept = dataclasses.replace(head, hidden=head.hidden[:, :n], targets=head.targets[:, :n])
+        return kept, rows.slice(0, n)
+
+
 @dataclasses.dataclass(frozen=True)
 class SplitVocabulary:
     """Fast mode over one rank's shard of a vocabulary split over a process group (the
@@ -154,17 +180,27 @@ class Implementation(Protocol):
         entropy: bool = False,
         argmax: bool = False,
         split: SplitVocabulary | None = None,
+        kept: KeptRows | None = None,
     ) -> ForwardOut:
         """Fast mode, over the whole vocabulary (``col_start`` 0): loss, lse and the gradients
         in ``needs`` for a unit upstream gradient of the loss, each in its input's dtype (the
         op hands them to autograd as they are), from the same chunks of logits (and each
         row's entropy and argmax where asked, every row's: the caller masks ignored ones).
 
+        With ``kept`` (never with ``split``), the head's rows are in compaction's kept-first
+        order, shift 0, and the outputs cover the first ``kept.count()`` rows only.
+
         With ``split``, over one shard of a split vocabulary (``rows`` are the whole
         vocabulary's): per chunk, the shard's statistics, ``split.combine`` (one collective),
         then the gradient with the whole vocabulary's lse. Loss and lse are the whole
         vocabulary's; hidden's gradient is this shard's partial sum, in float32 (it is reduced
         over the ranks before its one rounding); no entropy or argmax."""
+
+    def kept_first(self, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(order, count) of the 1-D bool ``valid``, on its device with no host
+        synchronisation: the indices of the True entries ascending, then of the False ones
+        ascending (int64), and the number of True entries (0-d int64). Compaction's
+        kept-first order (``KeptRows``)."""
 
     def scale_(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """x *= scale in place with float32 math and one rounding; ``scale`` is a 0-d

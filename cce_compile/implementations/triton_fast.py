@@ -34,7 +34,7 @@ from ..kernels.logits_exp import exp_blocks, logits_exp
 from ..kernels.scaled_exp_grad import scaled_exp_grad
 from ..loss_math import RowTargets, finish_loss, row_coefficient_parts
 from . import triton_shared as shared
-from .interface import ForwardOut, HeadInputs, Needs, RowStats, SplitVocabulary
+from .interface import ForwardOut, HeadInputs, KeptRows, Needs, RowStats, SplitVocabulary
 
 
 @dataclasses.dataclass
@@ -168,6 +168,14 @@ class _FastBuffers:
         self.partial_lse = torch.empty_like(self.block_max)
         self.partial_wsum = torch.empty_like(self.partial_lse) if head.spec.needs_wsum else None
 
+    def keep_first(self, n: int) -> None:
+        """Keep the per-position outputs of the first ``n`` positions only (kept-first rows:
+        the rest were not computed)."""
+        lse, target_logit, wsum = self.stats
+        self.stats = (lse[:n], target_logit[:n], shared.part(wsum, 0, n))
+        self.mean_z, self.argmax = shared.part(self.mean_z, 0, n), shared.part(self.argmax, 0, n)
+        self.grad_positions = shared.part(self.grad_positions, 0, n)
+
     def fused_parts(self, n: int) -> tuple:
         """The first ``n`` rows of the fused buffers: (gradient, tile maxima, partial lse,
         partial weighted sums or None)."""
@@ -223,27 +231,29 @@ def fast_forward(
     entropy: bool = False,
     argmax: bool = False,
     split: SplitVocabulary | None = None,
+    kept: KeptRows | None = None,
 ) -> ForwardOut:
     """Fast mode: loss, lse and the gradients for a unit upstream gradient, computed in
     chunks of positions (three GEMMs); with ``entropy`` / ``argmax`` also those of each row,
     from the same pass over each chunk's logits; with ``split``, over a shard of a split
-    vocabulary (``interface.Implementation``)."""
+    vocabulary; with ``kept``, over the kept rows, the first chunk's GEMM queued before their
+    count is waited for (``interface.Implementation``)."""
     if split is not None and (entropy or argmax):
         raise ValueError("fast mode over a split vocabulary computes no entropy or argmax")
     hidden, classifier, bias = (
         shared.rounded(head.compute_dtype, t) for t in (head.hidden, head.classifier, head.bias)
     )
-    layout = row_layout(hidden, head.spec.shift)
-    positions, n_positions = layout.positions(), layout.n_positions
-    problem = shared.problem(layout, head, hidden)
-    if split is not None:  # every rank's chunks alike: one collective each
-        problem = dataclasses.replace(problem, vocab=split.share)
     # Fused (the GEMM writes scaled exponentials): not where pass 2 would need more of each
     # logit than that (softcap's derivative, the entropy, the argmax) or the ranks' statistics.
     whole_rows = policy.fast_needs_whole_rows(
         softcap=bool(head.spec.softcap), entropy=entropy, argmax=argmax, split=split is not None
     )
-    fused = policy.fast_fuses_exp(problem, whole_rows)
+    layout, problem, fused = _plan(head, hidden, whole_rows, split)
+    if kept is not None and not fused:
+        # cuBLAS's logits GEMM cannot stop at a count only the GPU holds: wait for it now.
+        head, rows = kept.first(head, rows)
+        hidden, kept = hidden[:, : kept.count()], None
+        layout, problem, fused = _plan(head, hidden, whole_rows, split)
     if fused and classifier.stride(1) != 1:
         # The fused GEMM loads classifier rows by TMA: a (D, V)-stored head (W.t(), Conv1D)
         # is copied row-major, as lean's GEMMs copy it (kernels/common.check_operands); under
@@ -263,59 +273,86 @@ def fast_forward(
         split=bool(split),
         fused_tiles=shared.config_of(head, hidden) if fused else None,
     )
-    coefs = None
-    for start in range(0, n_positions, chunk):
-        stop = min(start + chunk, n_positions)
-        h = positions[start:stop]
-        kernel_args = dict(
-            class_weights=head.class_weights,
-            logit_scale=head.spec.logit_scale,
-            softcap=head.spec.softcap,
-            smoothing=head.spec.needs_wsum,
-            bias=bias,
-            targets=targets[start:stop],
-        )
+    positions = layout.positions()
+    static_args = dict(
+        class_weights=head.class_weights,
+        logit_scale=head.spec.logit_scale,
+        softcap=head.spec.softcap,
+        smoothing=head.spec.needs_wsum,
+        bias=bias,
+    )
+    coefs, start = None, 0
+    end = layout.n_positions if kept is None else None  # ``kept``: learnt after the first GEMM
+    while end is None or start < end:
+        stop = min(start + chunk, layout.n_positions if end is None else end)
         if fused:
-            _fused_gemm(h, classifier, kernel_args, out, (start, stop))
+            limit = kept.device_count if end is None else None
+            _fused_gemm(positions[start:stop], classifier, static_args, targets, out, stop, limit)
         else:
             logits = out.logits[: stop - start]
-            shared.matmul(h, classifier.t(), out=logits)
+            shared.matmul(positions[start:stop], classifier.t(), out=logits)
         if coefs is None:
             # After the first chunk's GEMM is queued, so that the GPU runs it while the host
-            # builds pass 2's coefficients: at a call's start, or after compaction's host
-            # synchronisation, the GPU has nothing else to do.
+            # builds pass 2's coefficients (and waits for the kept rows' count): at a call's
+            # start, or after compaction's host synchronisation, it has nothing else to do.
             coefs = _PositionCoefficients.of(head, rows, layout, split, targets)
-        kernel_args.update(coefs.chunk(start, stop))
+        if end is None:
+            end = kept.count()
+            stop = min(stop, end)
+        kernel_args = dict(static_args, **coefs.chunk(start, stop))
         if fused:
             _fused_pass2(kernel_args, out, (start, stop))
         elif split is None:
             chunk_softmax_grad(logits, **kernel_args, **out.chunk_outputs(start, stop))
         else:
             _shard_chunk(logits, kernel_args, out, (start, stop), split)
-        out.add_gradients(start, stop, h, classifier)
+        out.add_gradients(start, stop, positions[start:stop], classifier)
+        start = stop
+    if kept is not None:  # the outputs of the kept rows alone
+        head, rows = kept.first(head, rows)
+        out.keep_first(end)
+        layout = row_layout(hidden[:, :end], 0)
     return out.result(head, rows, layout, head.vocab if split is None else split.size)
 
 
+def _plan(head: HeadInputs, hidden: torch.Tensor, whole_rows: bool, split) -> tuple:
+    """(row layout, policy problem, fused?) of a fast-mode call on ``hidden`` (its hidden in
+    the compute dtype)."""
+    layout = row_layout(hidden, head.spec.shift)
+    problem = shared.problem(layout, head, hidden)
+    if split is not None:  # every rank's chunks alike: one collective each
+        problem = dataclasses.replace(problem, vocab=split.share)
+    return layout, problem, policy.fast_fuses_exp(problem, whole_rows)
+
+
 def _fused_gemm(
-    h: torch.Tensor, classifier: torch.Tensor, kernel_args: dict, out: _FastBuffers, span: tuple
+    h: torch.Tensor,
+    classifier: torch.Tensor,
+    static_args: dict,
+    targets: torch.Tensor,
+    out: _FastBuffers,
+    stop: int,
+    row_limit: torch.Tensor | None,
 ) -> None:
-    """A chunk's scaled exponentials from the logits GEMM's epilogue (``logits_exp``), with
-    its tile maxima, partial lse (and weighted sums) and target logits."""
-    start, stop = span
+    """The scaled exponentials of the chunk ``h`` of positions [stop - len(h), stop) from the
+    logits GEMM's epilogue (``logits_exp``), with its tile maxima, partial lse (and weighted
+    sums) and target logits; ``row_limit``: its rows past a count on the device are left."""
+    start = stop - h.shape[0]
     grad, block_max, partial_lse, partial_wsum = out.fused_parts(stop - start)
     logits_exp(
         h,
         classifier,
-        kernel_args["targets"],
+        targets[start:stop],
         grad,
         block_max,
         partial_lse,
         shared.part(out.stats[1], start, stop),
         partial_wsum,
-        logit_scale=kernel_args["logit_scale"],
-        bias=kernel_args["bias"],
-        class_weights=kernel_args["class_weights"],
+        logit_scale=static_args["logit_scale"],
+        bias=static_args["bias"],
+        class_weights=static_args["class_weights"],
         config=out.fused_tiles,
+        row_limit=row_limit,
     )
 
 

@@ -29,6 +29,7 @@ import torch
 
 from .. import filtering, policy
 from ..kernels.common import RowLayout, TileConfig, check_operands, row_layout
+from ..kernels.kept_first import kept_first as kept_first  # the op calls it on this module
 from ..kernels.logit_grad import logit_grad
 from ..kernels.lse_forward import lse_forward, partial_blocks
 from . import triton_shared as shared

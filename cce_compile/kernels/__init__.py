@@ -11,6 +11,8 @@
   in the compute dtype, with per-tile maxima and partial lse (no float32 logits).
 * ``scaled_exp_grad``: reduces the partials to each row's lse and turns those exponentials into
   the gradient in place.
+* ``kept_first``: compaction's kept-first order of the rows and their count in one launch,
+  with no host synchronisation (fast mode waits for the count after its first GEMM).
 * ``scale_cast``: (x * scale).to(dtype) in one pass: fast mode's backward scaling its float32
   unit-upstream gradients by the upstream gradient.
 

@@ -50,6 +50,7 @@ def _logits_exp_kernel(
     partial_lse,
     partial_wsum,
     target_logit,
+    row_limit,
     n_rows,
     vocab,
     dim,
@@ -62,6 +63,7 @@ def _logits_exp_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     NEEDS_WSUM: tl.constexpr,
+    HAS_ROW_LIMIT: tl.constexpr,
     USE_TMA: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -75,6 +77,8 @@ def _logits_exp_kernel(
     # cuBLAS's bf16 GEMM at E's chunk on an H100, against 1.26x with a program per tile
     # (bench/results/tune_fused.md). A data-dependent branch in the body (skipping the target
     # select on tiles without a target) does not compile flattened on Triton 3.6.
+    if HAS_ROW_LIMIT:  # rows known on the device only: the loop's bound comes from memory
+        n_rows = tl.minimum(n_rows, tl.load(row_limit).to(tl.int32))
     num_tiles = tl.cdiv(n_rows, BLOCK_N) * tl.cdiv(vocab, BLOCK_V)
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
         pid_n, pid_v = grouped_tile(tile, n_rows, vocab, BLOCK_N, BLOCK_V, GROUP_N)
@@ -176,6 +180,7 @@ def logits_exp(
     class_weights: torch.Tensor | None = None,
     config: TileConfig,
     programs: int | None = None,
+    row_limit: torch.Tensor | None = None,
 ) -> None:
     """Pass 1 of a chunk of n rows, fused into its logits GEMM.
 
@@ -185,7 +190,11 @@ def logits_exp(
     ``exp_blocks``) float32; ``partial_lse`` and, with label smoothing, ``partial_wsum`` (n,
     ``exp_blocks``) float32; ``target_logit`` (n,) float32 contiguous. (``exps`` rows 16-byte
     aligned take the copy engine's tile store: pad its row stride to a multiple of 8.) ``bias`` and
-    ``class_weights``: (V,). ``programs``: persistent programs (default: one per SM)."""
+    ``class_weights``: (V,). ``programs``: persistent programs (default: one per SM).
+    ``row_limit``: a one-element int64 tensor on h's device, read by the kernel: only the rows
+    before it are computed, for a count that has not reached the host (compaction's
+    kept-first rows). The per-row outputs of the rest are left as they were, and so are their
+    ``exps`` rows past the row tile the count ends in (a tile is stored whole)."""
     n_rows, dim = h.shape
     vocab = classifier.shape[0]
     if classifier.shape != (vocab, dim) or classifier.dtype != h.dtype:
@@ -209,6 +218,10 @@ def logits_exp(
     for name, vector in (("bias", bias), ("class_weights", class_weights)):
         if vector is not None and vector.shape != (vocab,):
             raise ValueError(f"{name} must be ({vocab},)")
+    if row_limit is not None and (
+        row_limit.numel() != 1 or row_limit.dtype != torch.int64 or row_limit.device != h.device
+    ):
+        raise ValueError(f"row_limit must be one int64 on {h.device}")
     if n_rows == 0 or vocab == 0:
         return
     layout = RowLayout(h, n_rows, n_rows, n_rows, h.stride(0), n_rows)
@@ -233,6 +246,7 @@ def logits_exp(
         partial_lse,
         partial_wsum if partial_wsum is not None else partial_lse,
         target_logit,
+        row_limit if row_limit is not None else targets,
         n_rows,
         vocab,
         dim,
@@ -243,5 +257,6 @@ def logits_exp(
         float(logit_scale),
         HAS_WEIGHTS=class_weights is not None,
         NEEDS_WSUM=partial_wsum is not None,
+        HAS_ROW_LIMIT=row_limit is not None,
         **gemm_launch_options(config, h, use_tma=use_tma, has_bias=bias is not None, softcap=0.0),
     )

@@ -27,6 +27,7 @@ from ..implementations.interface import (
     Gradients,
     HeadInputs,
     Implementation,
+    KeptRows,
     Needs,
 )
 from ..loss_math import LossSpec, finish_loss, returned_lse, row_coefficients, row_targets
@@ -34,8 +35,9 @@ from . import compaction
 from .call_plan import budget_of, compute_dtype_of, float32_math, implementation_for, needs_of
 from .signature import Bound
 
-# forward_rows(args, budget) -> ForwardOut, on every row of ``args``.
-ForwardRows = Callable[[Bound, int], ForwardOut]
+# forward_rows(args, budget[, kept]) -> ForwardOut, on every row of ``args`` (``kept``:
+# on_kept_rows' ``defer``).
+ForwardRows = Callable[..., ForwardOut]
 # gradients_rows(args, needs, budget) -> gradients in the inputs' dtypes, on every row.
 GradientRows = Callable[[Bound, Needs, int], Gradients]
 
@@ -45,16 +47,34 @@ def forward(args: Bound) -> ForwardOut:
     filtering the mask of blocks its backward computes; with ``skip_ignored`` the rows it
     computed on (compaction.py)."""
     decide.check_targets(args.targets, args.class_weights, args.spec(), args.classifier.shape[0])
-    return on_kept_rows(args, _forward_rows)
+    return on_kept_rows(args, _forward_rows, defer=_runs_fast(args))
 
 
-def on_kept_rows(args: Bound, forward_rows: ForwardRows, budget: int | None = None) -> ForwardOut:
+def _runs_fast(args: Bound) -> bool:
+    """Does this forward run fast mode (gradients in the forward)?"""
+    return args.mode == "fast" and needs_of(args).any
+
+
+def on_kept_rows(
+    args: Bound, forward_rows: ForwardRows, budget: int | None = None, *, defer: bool = False
+) -> ForwardOut:
     """``forward_rows`` on the rows whose target counts (all rows without ``skip_ignored``),
     its per-row outputs given back for every row, and those rows in ``row_index``;
-    ``budget``: the call's memory budget where not ``budget_of(args)``."""
+    ``budget``: the call's memory budget where not ``budget_of(args)``. ``defer``: the count
+    of kept rows is waited for by ``forward_rows`` itself, which takes a third argument, the
+    ``KeptRows`` of compaction's kept-first order (fast mode: its first GEMM runs meanwhile)."""
     budget = budget_of(args) if budget is None else budget
-    selection = compaction.select(args)
-    if selection is None or not selection.compacted:
+    order_of = implementation_for(args.hidden.device).kept_first if defer else None
+    selection = compaction.select(args, order_of)
+    if isinstance(selection, compaction.KeptFirst):
+        compact = compaction.compact(args, selection)
+        budget -= compaction.copy_bytes(args, selection)
+        out = forward_rows(compact, budget, selection.kept)
+        selection = selection.resolved()
+        # Every row was gathered, so the outputs go back through the index even where none
+        # was ignored (the index is then the identity).
+        out = _expanded(out, selection, args)
+    elif selection is None or not selection.compacted:
         out = forward_rows(args, budget)
     else:
         compact = compaction.compact(args, selection)
@@ -64,18 +84,21 @@ def on_kept_rows(args: Bound, forward_rows: ForwardRows, budget: int | None = No
     return out
 
 
-def _forward_rows(args: Bound, budget: int) -> ForwardOut:
-    """The single-device forward on every row of ``args``."""
+def _forward_rows(args: Bound, budget: int, kept: KeptRows | None = None) -> ForwardOut:
+    """The single-device forward on every row of ``args`` (``kept``: on its kept-first rows,
+    interface.KeptRows)."""
     head = head_inputs(args, budget, class_weights=args.class_weights)
     spec, vocab = head.spec, head.vocab
     impl = implementation_for(args.hidden.device)
     needs = needs_of(args)
     rows = row_targets(args.targets, args.class_weights, spec, vocab)
     with float32_math(args.hidden.device):
-        if args.mode == "fast" and needs.any:
+        if _runs_fast(args):
             metrics = dict(entropy=args.return_entropy, argmax=args.return_argmax)
-            out = impl.fast_forward(head, rows, needs=needs, **metrics)
+            out = impl.fast_forward(head, rows, needs=needs, kept=kept, **metrics)
             lse = out.lse
+            if kept is not None:  # the outputs are the kept rows'
+                rows = rows.slice(0, kept.count())
         else:
             beta = args.grad_filter if _filtered(args, spec) else None
             stats = impl.logit_stats(

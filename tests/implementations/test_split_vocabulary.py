@@ -83,7 +83,8 @@ def test_shards_add_up_to_the_whole_vocabulary(impl, name, shards):
     vocab = sum(shards)
     case = build_case(leading=(1, 13), dim=8, vocab=vocab, seed=4, **CASES[name])
     spec = LossSpec(**{k: v for k, v in case.options().items() if k != "class_weights"})
-    rows = row_targets(case.targets, case.class_weights, spec, vocab)
+    weights = None if case.class_weights is None else case.class_weights.to(DEVICE)
+    rows = row_targets(case.targets.to(DEVICE), weights, spec, vocab)
     starts = [0, shards[0]]
     share = -(-vocab // len(shards))
     budget = 4 * share * 12  # 4 rows per chunk on the PyTorch path (cpu_chunk_rows)

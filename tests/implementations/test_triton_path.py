@@ -199,6 +199,62 @@ def test_fast_mode_queues_the_first_gemm_before_building_the_coefficients(monkey
     assert events.count("coefficients") == 1
 
 
+# Kept rows against fast mode's chunk of 16 rows (28 rows in all).
+KEPT_COUNTS = {"none-kept": 0, "fewer-than-a-chunk": 3, "a-chunk-and-more": 19}
+
+
+@pytest.mark.usefixtures("skip_at_any_size")  # compaction at this size on a GPU too
+@pytest.mark.parametrize("kept", KEPT_COUNTS.values(), ids=KEPT_COUNTS)
+def test_fast_mode_waits_for_the_kept_rows_count_after_its_first_gemm(monkeypatch, kept):
+    """Skipping ignored rows, fast mode queues its first chunk's GEMM, stopped at the kept
+    rows' count on the device, before it waits for that count (compaction.KeptFirst): the
+    GPU computes while the host waits. The rows computed are the kept ones, however many:
+    none, fewer than a chunk, more than one; an ignored row's non-finite hidden changes
+    nothing (it is never computed on), and the results match the oracle."""
+    from cce_compile import policy
+    from cce_compile.implementations import triton_fast
+    from cce_compile.op import compaction
+
+    events = []
+    monkeypatch.setattr(policy, "fast_fuses_exp", lambda *args: True)
+    monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 16)
+    real_gemm, real_reader = triton_fast._fused_gemm, compaction._host_reader
+    monkeypatch.setattr(
+        triton_fast,
+        "_fused_gemm",
+        lambda *a: events.append(("gemm", a[-1] is not None)) or real_gemm(*a),
+    )
+
+    def recording_reader(count):
+        read = real_reader(count)
+        return lambda: events.append("count") or read()
+
+    monkeypatch.setattr(compaction, "_host_reader", recording_reader)
+    case = build_case(leading=(4, 7), dim=18, vocab=45, seed=17, reduction="sum")
+    gen = torch.Generator().manual_seed(kept)
+    ignored = torch.ones(28, dtype=torch.bool)
+    ignored[torch.randperm(28, generator=gen)[:kept]] = False
+    case.targets.view(-1)[ignored] = case.ignore_index
+    case = to_device(case)
+    run_and_compare(case, mode="fast")
+    assert events[:2] == [("gemm", True), "count"], events
+    assert events.count("count") == 1 and all(e[1] is False for e in events[2:]), events
+
+    def results(hidden):
+        hidden = hidden.detach().requires_grad_()
+        classifier = case.classifier.detach().requires_grad_()
+        loss = cce_compile.linear_cross_entropy(
+            hidden, classifier, case.targets, reduction="sum", mode="fast"
+        )
+        loss.backward()
+        return loss, hidden.grad, classifier.grad
+
+    poisoned = case.hidden.detach().clone()
+    poisoned.view(-1, 18)[ignored.to(DEVICE)] = float("nan")
+    for clean, dirty in zip(results(case.hidden), results(poisoned)):
+        assert torch.equal(clean, dirty)
+
+
 def test_fast_mode_with_exponentials_from_the_gemm_of_a_transposed_classifier(monkeypatch):
     """A head stored (D, V) and used transposed (Conv1D, ``h @ W``): the classifier's column
     stride is V. The fused GEMM needs unit column strides; it raised "h and classifier need

@@ -186,8 +186,57 @@ def test_fused_pass_propagates_nan_logits():
     assert torch.isnan(lse[1]) and torch.isfinite(lse[[0, 2, 3]]).all()
 
 
+def _logits_exp_outputs(h, classifier, targets, row_limit):
+    """Every output of one ``logits_exp`` call, NaN where it wrote nothing."""
+    from cce_compile.kernels.logits_exp import exp_blocks, logits_exp
+
+    config = _config(h.dtype)
+    n, vocab = h.shape[0], classifier.shape[0]
+    tiles = exp_blocks(vocab, config)
+    outs = dict(
+        exps=torch.full((n, vocab), float("nan"), device=DEVICE),
+        block_max=torch.full((n, tiles), float("nan"), device=DEVICE),
+        partial_lse=torch.full((n, tiles), float("nan"), device=DEVICE),
+        target_logit=torch.full((n,), float("nan"), device=DEVICE),
+    )
+    logits_exp(h, classifier, targets, **outs, logit_scale=1.0, config=config, row_limit=row_limit)
+    return outs
+
+
+# Rows counted on the device: none, inside the first row tile, on a tile's edge, all, past all.
+ROW_LIMITS = {"none": 0, "partial-tile": 5, "tile-edge": 16, "all": 37, "past-all": 50}
+
+
+@pytest.mark.parametrize("limit", ROW_LIMITS.values(), ids=ROW_LIMITS)
+def test_row_limit_computes_the_rows_before_it_and_leaves_the_rest(limit):
+    """A count that only the device holds (compaction's kept-first rows): the rows before it
+    are exactly those of a call without it; the per-row outputs after it are not written, nor
+    are the exponentials past the row tile the count ends in (the tile is stored whole)."""
+    n, dim, vocab = 37, 16, 40
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(n, dim, generator=gen).to(DEVICE)
+    classifier = torch.randn(vocab, dim, generator=gen).to(DEVICE)
+    targets = torch.randint(0, vocab, (n,), generator=gen).to(DEVICE)
+    whole = _logits_exp_outputs(h, classifier, targets, None)
+    limited = _logits_exp_outputs(h, classifier, targets, torch.tensor(limit, device=DEVICE))
+    computed = min(limit, n)
+    block_n = _config(h.dtype).block_n
+    for name, got in limited.items():
+        assert torch.equal(got[:computed], whole[name][:computed]), name
+        untouched = -(-computed // block_n) * block_n if name == "exps" else computed
+        assert torch.isnan(got[untouched:]).all(), name
+
+
 @pytest.mark.parametrize(
-    "bad", ["classifier_dtype", "exps_shape", "block_max_shape", "targets_dtype", "partial_shape"]
+    "bad",
+    [
+        "classifier_dtype",
+        "exps_shape",
+        "block_max_shape",
+        "targets_dtype",
+        "partial_shape",
+        "row_limit_dtype",
+    ],
 )
 def test_logits_exp_rejects_mismatched_buffers(bad):
     from cce_compile.kernels.logits_exp import exp_blocks, logits_exp
@@ -211,6 +260,8 @@ def test_logits_exp_rejects_mismatched_buffers(bad):
         args["block_max"] = args["block_max"][:, 1:]
     elif bad == "targets_dtype":
         args["targets"] = args["targets"].int()
+    elif bad == "row_limit_dtype":
+        args["row_limit"] = torch.tensor(3, dtype=torch.int32, device=DEVICE)
     else:
         args["partial_lse"] = args["partial_lse"][1:]
     with pytest.raises(ValueError):
