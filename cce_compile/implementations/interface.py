@@ -114,7 +114,7 @@ class KeptRows:
             self._count = self._read()
         return self._count
 
-    def first(self, head: HeadInputs, rows: RowTargets) -> tuple[HeadInputs, RowTargets]:
+    def restricted(self, head: HeadInputs, rows: RowTargets) -> tuple[HeadInputs, RowTargets]:
         """``head`` and ``rows`` restricted to the kept rows."""
         n = self.count()
         kept = dataclasses.replace(head, hidden=head.hidden[:, :n], targets=head.targets[:, :n])
@@ -140,7 +140,12 @@ class Implementation(Protocol):
     """What an implementation provides: the lean path's two halves (``op.dispatch`` builds the
     loss and the backward from them with ``loss_math``), fast mode's fused forward, and one
     in-place scaling pass. Each of the first three computes over the classes of its
-    :class:`HeadInputs`."""
+    :class:`HeadInputs`.
+
+    One whose fast mode can start before the count of kept rows reaches the host also provides
+    ``kept_first(valid) -> (order, count)``: the indices of the True entries of the 1-D bool
+    ``valid`` ascending, then of the False ones (int64), and their count (0-d int64), on the
+    device with no synchronisation (``KeptRows``)."""
 
     def logit_stats(
         self,
@@ -187,20 +192,15 @@ class Implementation(Protocol):
         op hands them to autograd as they are), from the same chunks of logits (and each
         row's entropy and argmax where asked, every row's: the caller masks ignored ones).
 
-        With ``kept`` (never with ``split``), the head's rows are in compaction's kept-first
-        order, shift 0, and the outputs cover the first ``kept.count()`` rows only.
+        ``kept`` (only for an implementation that provides ``kept_first``; never with
+        ``split``): the head's rows are in compaction's kept-first order, shift 0, and the
+        outputs cover the first ``kept.count()`` rows only.
 
         With ``split``, over one shard of a split vocabulary (``rows`` are the whole
         vocabulary's): per chunk, the shard's statistics, ``split.combine`` (one collective),
         then the gradient with the whole vocabulary's lse. Loss and lse are the whole
         vocabulary's; hidden's gradient is this shard's partial sum, in float32 (it is reduced
         over the ranks before its one rounding); no entropy or argmax."""
-
-    def kept_first(self, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(order, count) of the 1-D bool ``valid``, on its device with no host
-        synchronisation: the indices of the True entries ascending, then of the False ones
-        ascending (int64), and the number of True entries (0-d int64). Compaction's
-        kept-first order (``KeptRows``)."""
 
     def scale_(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """x *= scale in place with float32 math and one rounding; ``scale`` is a 0-d

@@ -40,7 +40,6 @@ from .interface import (
     ForwardOut,
     Gradients,
     HeadInputs,
-    KeptRows,
     Needs,
     RowStats,
     SplitVocabulary,
@@ -530,16 +529,12 @@ def fast_forward(
     entropy: bool = False,
     argmax: bool = False,
     split: SplitVocabulary | None = None,
-    kept: KeptRows | None = None,
 ) -> ForwardOut:
     """Fast mode: loss, lse and the gradients for a unit upstream gradient from the same
     chunks of logits (three GEMMs), and each row's entropy and argmax where asked; with
-    ``split``, over a shard of a split vocabulary; with ``kept``, over the kept rows
-    (``interface.Implementation``: this path has no GPU to keep busy, so it waits at once)."""
+    ``split``, over a shard of a split vocabulary (``interface.Implementation``)."""
     if split is not None and (entropy or argmax):
         raise ValueError("fast mode over a split vocabulary computes no entropy or argmax")
-    if kept is not None:
-        head, rows = kept.first(head, rows)
     run = _FastChunks(head, needs, (entropy, argmax), head.vocab if split is None else split.share)
     for r0, r1 in _ranges(run.n_rows, run.chunk):
         z = run.logits(r0, r1)
@@ -602,14 +597,3 @@ def gradients(
             )
             acc.add(grad, (r0, r1), (c0, c1), operands.hidden[r0:r1], operands.classifier[c0:c1])
     return acc.result()
-
-
-def kept_first(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order, count): ``interface.Implementation.kept_first`` by torch operations. One running
-    count gives both a kept row's slot (the kept rows before it) and an ignored one's (the
-    count plus the ignored rows before it)."""
-    rows = torch.arange(valid.numel(), device=valid.device)
-    kept_through = valid.cumsum(0)
-    count = kept_through[-1] if valid.numel() else kept_through.sum()
-    slot = torch.where(valid, kept_through - 1, count + rows - kept_through)
-    return torch.empty_like(rows).scatter_(0, slot, rows), count

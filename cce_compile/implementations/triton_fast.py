@@ -168,7 +168,7 @@ class _FastBuffers:
         self.partial_lse = torch.empty_like(self.block_max)
         self.partial_wsum = torch.empty_like(self.partial_lse) if head.spec.needs_wsum else None
 
-    def keep_first(self, n: int) -> None:
+    def truncate(self, n: int) -> None:
         """Keep the per-position outputs of the first ``n`` positions only (kept-first rows:
         the rest were not computed)."""
         lse, target_logit, wsum = self.stats
@@ -240,6 +240,8 @@ def fast_forward(
     count is waited for (``interface.Implementation``)."""
     if split is not None and (entropy or argmax):
         raise ValueError("fast mode over a split vocabulary computes no entropy or argmax")
+    if split is not None and kept is not None:
+        raise ValueError("fast mode over a split vocabulary takes no kept-first rows")
     hidden, classifier, bias = (
         shared.rounded(head.compute_dtype, t) for t in (head.hidden, head.classifier, head.bias)
     )
@@ -251,7 +253,7 @@ def fast_forward(
     layout, problem, fused = _plan(head, hidden, whole_rows, split)
     if kept is not None and not fused:
         # cuBLAS's logits GEMM cannot stop at a count only the GPU holds: wait for it now.
-        head, rows = kept.first(head, rows)
+        head, rows = kept.restricted(head, rows)
         hidden, kept = hidden[:, : kept.count()], None
         layout, problem, fused = _plan(head, hidden, whole_rows, split)
     if fused and classifier.stride(1) != 1:
@@ -281,37 +283,45 @@ def fast_forward(
         smoothing=head.spec.needs_wsum,
         bias=bias,
     )
-    coefs, start = None, 0
-    end = layout.n_positions if kept is None else None  # ``kept``: learnt after the first GEMM
-    while end is None or start < end:
-        stop = min(start + chunk, layout.n_positions if end is None else end)
+
+    def logits(start: int, stop: int, row_limit: torch.Tensor | None = None):
+        """The chunk's logits GEMM (fused: its scaled exponentials), queued."""
         if fused:
-            limit = kept.device_count if end is None else None
-            _fused_gemm(positions[start:stop], classifier, static_args, targets, out, stop, limit)
-        else:
-            logits = out.logits[: stop - start]
-            shared.matmul(positions[start:stop], classifier.t(), out=logits)
-        if coefs is None:
-            # After the first chunk's GEMM is queued, so that the GPU runs it while the host
-            # builds pass 2's coefficients (and waits for the kept rows' count): at a call's
-            # start, or after compaction's host synchronisation, it has nothing else to do.
-            coefs = _PositionCoefficients.of(head, rows, layout, split, targets)
-        if end is None:
-            end = kept.count()
-            stop = min(stop, end)
-        kernel_args = dict(static_args, **coefs.chunk(start, stop))
-        if fused:
-            _fused_pass2(kernel_args, out, (start, stop))
-        elif split is None:
-            chunk_softmax_grad(logits, **kernel_args, **out.chunk_outputs(start, stop))
-        else:
-            _shard_chunk(logits, kernel_args, out, (start, stop), split)
+            h = positions[start:stop]
+            _fused_gemm(h, classifier, static_args, targets, out, stop, row_limit)
+            return None
+        chunk_logits = out.logits[: stop - start]
+        shared.matmul(positions[start:stop], classifier.t(), out=chunk_logits)
+        return chunk_logits
+
+    def gradients(start: int, stop: int, chunk_logits) -> None:
+        """The chunk's pass 2 (its gradient, in place) and its shares of the gradients."""
+        if stop > start:  # (no rows: only the classifier's gradient, zero, is written)
+            kernel_args = dict(static_args, **coefs.chunk(start, stop))
+            if fused:
+                _fused_pass2(kernel_args, out, (start, stop))
+            elif split is None:
+                chunk_softmax_grad(chunk_logits, **kernel_args, **out.chunk_outputs(start, stop))
+            else:
+                _shard_chunk(chunk_logits, kernel_args, out, (start, stop), split)
         out.add_gradients(start, stop, positions[start:stop], classifier)
-        start = stop
+
+    first = min(chunk, layout.n_positions)
+    chunk_logits = logits(0, first, None if kept is None else kept.device_count)
+    # After the first chunk's GEMM is queued, so that the GPU runs it while the host builds
+    # pass 2's coefficients (and waits for the kept rows' count): at a call's start, or after
+    # compaction's host synchronisation, it has nothing else to do.
+    coefs = _PositionCoefficients.of(head, rows, layout, split, targets)
+    end = layout.n_positions if kept is None else kept.count()
+    start, stop = 0, min(first, end)
+    gradients(start, stop, chunk_logits)  # (no rows at all: the classifier's zero gradient)
+    for start in range(stop, end, chunk):
+        stop = min(start + chunk, end)
+        gradients(start, stop, logits(start, stop))
     if kept is not None:  # the outputs of the kept rows alone
-        head, rows = kept.first(head, rows)
-        out.keep_first(end)
-        layout = row_layout(hidden[:, :end], 0)
+        head, rows = kept.restricted(head, rows)
+        out.truncate(end)
+        layout = row_layout(hidden[:, :end], head.spec.shift)
     return out.result(head, rows, layout, head.vocab if split is None else split.size)
 
 

@@ -7,7 +7,8 @@ torch's seven (a running sum and the slot arithmetic) or ``nonzero``'s launches 
 synchronisation. The single program walks the rows twice, BLOCK at a time: first it counts the
 kept rows, then it gives each row its slot (a kept row: the kept rows before it; an ignored
 row: the count plus the ignored rows before it) and writes ``order[slot] = row``. Its time is
-linear in the rows and small next to a chunk's GEMM (16,384 rows: 8 blocks of 4,096).
+linear in the rows and small next to a chunk's GEMM (16,384 rows: two passes of 4 blocks of
+4,096).
 """
 
 from __future__ import annotations

@@ -13,14 +13,14 @@ Every reduction keeps its value: ignored rows add nothing to the sums, the class
 the counts that 'mean' and the z-loss divide by, and 'none' gets its zeros back. An out-of-range
 target is not ignored, so its row is kept and stays NaN.
 
-Fast mode's forward defers step 1's wait (``select(args, order_of)``): the rows are put in a
-kept-first order on the device (the kept ones ascending, then the ignored ones: the
-implementation's ``kept_first``, one Triton launch on a GPU), all N are gathered, and the count of kept rows is copied to the host behind an event
-(``interface.KeptRows``). The implementation queues its first chunk's logits GEMM, stopped at
-the count on the device, before it waits for the count, so that the GPU computes while the
-host waits and plans the other chunks (on a GPU without it, the GPU idles from the
-synchronisation until the first GEMM is launched: ~0.8 ms at E, bench/results/profiles.md).
-The copy is of all N rows instead of the kept ones.
+A fused fast-mode forward on a GPU (``dispatch``'s choice) waits for step 1's count later
+(``select(args, order_of)``): the rows go into a kept-first order on the device (the kept ones
+ascending, then the ignored ones: the Triton implementation's ``kept_first``, one launch), all
+N are gathered, and the count is copied to the host behind an event (``interface.KeptRows``).
+The implementation queues its first chunk's logits GEMM, stopped at the count on the device,
+before it waits, so that the GPU computes while the host waits and plans the other chunks
+(waiting first leaves the GPU idle from the synchronisation to the first GEMM's launch, ~0.8 ms
+at E: bench/results/profiles.md). Its copy is of all N rows, not only the kept ones.
 
 The forward returns the rows it computed on (``row_index``, int64); the backward gathers the
 same rows from it with no second synchronisation, since its size is known on the host. Its size
@@ -40,7 +40,6 @@ No compaction, and no synchronisation:
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable
 
 import torch
@@ -63,7 +62,7 @@ class Selection:
         return self.index.numel() != self.n_rows
 
     def cells(self, rows_per_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(b, t) of the kept rows in a (B, T - shift) grid."""
+        """(b, t) of the rows of ``index`` in a (B, T - shift) grid."""
         rows_per_seq = max(rows_per_seq, 1)  # no rows at all: the index is empty
         return self.index // rows_per_seq, self.index % rows_per_seq
 
@@ -73,15 +72,15 @@ OrderOf = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclasses.dataclass(frozen=True)
-class KeptFirst:
-    """A deferred selection: every loss row in kept-first order (``index``), and the count of
-    kept ones on its way to the host (``kept``)."""
+class KeptFirst(Selection):
+    """A deferred selection: every loss row in kept-first order (``index``: the kept rows
+    ascending, then the ignored ones), and the count of kept ones on its way to the host."""
 
-    index: torch.Tensor  # (N,) int64: the kept rows ascending, then the ignored ones
-    n_rows: int
-    kept: KeptRows
+    kept: KeptRows | None = None
 
-    cells = Selection.cells
+    @property
+    def compacted(self) -> bool:
+        return True  # every row is gathered, in this order
 
     def resolved(self) -> Selection:
         """The selection of the kept rows (waits for their count, if nothing has yet)."""
@@ -92,7 +91,7 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def select(args: Bound, order_of: OrderOf | None = None) -> Selection | KeptFirst | None:
+def select(args: Bound, order_of: OrderOf | None = None) -> Selection | None:
     """The rows this forward computes on (all of them where it may not compact: module
     docstring); None without ``skip_ignored``. Learning them is a host synchronisation;
     ``order_of`` (an implementation's ``kept_first``): a ``KeptFirst`` instead, whose count the
@@ -115,32 +114,20 @@ def _kept_first(valid: torch.Tensor, order_of: OrderOf) -> KeptFirst:
 
 def _host_reader(count: torch.Tensor):
     """A function that returns ``count`` on the host. On a GPU the value is copied now, behind
-    an event, so that the reader waits for the copy alone and not for the work queued after
-    it (a plain ``.item()`` would wait for the first chunk's GEMM too)."""
+    an event on the stream that copies it, so that the reader waits for the copy alone and not
+    for the work queued after it (``.item()`` would wait for the first chunk's GEMM too)."""
     if count.device.type != "cuda":
         return lambda: int(count)
-    host = _pinned_slot(count.device)
+    host = torch.empty((), dtype=count.dtype, pin_memory=True)  # its own: no reuse to race
     host.copy_(count, non_blocking=True)
     copied = torch.cuda.Event()
-    copied.record()
+    copied.record(torch.cuda.current_stream(count.device))
 
     def read() -> int:
         copied.synchronize()
         return int(host)
 
     return read
-
-
-_SLOTS = threading.local()
-
-
-def _pinned_slot(device: torch.device) -> torch.Tensor:
-    """This thread's page-locked int64 for counts from ``device``, allocated once: a call reads
-    its count before it returns, so a thread's next copy never overwrites an unread one."""
-    slots = _SLOTS.__dict__.setdefault("by_device", {})
-    if device not in slots:
-        slots[device] = torch.empty((), dtype=torch.int64, pin_memory=True)
-    return slots[device]
 
 
 def _pays(args: Bound, rows: int) -> bool:
@@ -158,12 +145,12 @@ def of_backward(args: Bound) -> Selection | None:
     return Selection(index, batch * (time - args.shift))
 
 
-def copy_bytes(args: Bound, selection: Selection | KeptFirst) -> int:
+def copy_bytes(args: Bound, selection: Selection) -> int:
     """The memory the compact copy of hidden takes (counted against the budget)."""
     return selection.index.numel() * args.hidden.shape[-1] * args.hidden.element_size()
 
 
-def _row_matrix(hidden: torch.Tensor, shift: int, selection: Selection | KeptFirst):
+def _row_matrix(hidden: torch.Tensor, shift: int, selection: Selection):
     """(matrix, positions): a (P, D) view of hidden's rows and the kept rows' indices into it,
     so that gathers and scatters are row copies (``index_select``), not element indexing.
     None where hidden's strides have no such view (e.g. a batch dimension of stride 0)."""
@@ -182,10 +169,9 @@ def _row_matrix(hidden: torch.Tensor, shift: int, selection: Selection | KeptFir
     return hidden.as_strided((rows, dim), (stride_t, 1)), b * seq_stride + t
 
 
-def gather_hidden(
-    hidden: torch.Tensor, shift: int, selection: Selection | KeptFirst
-) -> torch.Tensor:
-    """The kept rows of hidden (B, T, D) as a compact (1, n, D) copy."""
+def gather_hidden(hidden: torch.Tensor, shift: int, selection: Selection) -> torch.Tensor:
+    """The selection's rows of hidden (B, T, D) as a compact (1, n, D) copy (a ``KeptFirst``:
+    all N, kept first)."""
     view = _row_matrix(hidden, shift, selection)
     if view is None:
         b, t = selection.cells(hidden.shape[1] - shift)
@@ -194,11 +180,10 @@ def gather_hidden(
     return matrix.index_select(0, positions).unsqueeze(0)
 
 
-def compact(
-    args: Bound, selection: Selection | KeptFirst, **row_values: torch.Tensor | None
-) -> Bound:
-    """``args`` on the kept rows: hidden (1, n, D), targets (1, n), no shift; ``row_values``
-    (per loss row, flattened to (N, ...)) restricted to the same rows."""
+def compact(args: Bound, selection: Selection, **row_values: torch.Tensor | None) -> Bound:
+    """``args`` on the selection's rows (the kept ones; a ``KeptFirst``: all N, kept first):
+    hidden (1, n, D), targets (1, n), no shift; ``row_values`` (per loss row, flattened to (N,
+    ...)) restricted to the same rows."""
     shift = args.shift
     targets = args.targets[:, shift:].reshape(-1)
     changes: dict = dict(

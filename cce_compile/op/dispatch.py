@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from .. import decide, filtering
+from .. import decide, filtering, policy
 from ..implementations.interface import (
     Coefficients,
     ForwardOut,
@@ -35,8 +35,8 @@ from . import compaction
 from .call_plan import budget_of, compute_dtype_of, float32_math, implementation_for, needs_of
 from .signature import Bound
 
-# forward_rows(args, budget[, kept]) -> ForwardOut, on every row of ``args`` (``kept``:
-# on_kept_rows' ``defer``).
+# forward_rows(args, budget[, kept]) -> ForwardOut, on every row of ``args`` (``kept``: the
+# KeptRows of on_kept_rows' ``order_of``).
 ForwardRows = Callable[..., ForwardOut]
 # gradients_rows(args, needs, budget) -> gradients in the inputs' dtypes, on every row.
 GradientRows = Callable[[Bound, Needs, int], Gradients]
@@ -47,7 +47,7 @@ def forward(args: Bound) -> ForwardOut:
     filtering the mask of blocks its backward computes; with ``skip_ignored`` the rows it
     computed on (compaction.py)."""
     decide.check_targets(args.targets, args.class_weights, args.spec(), args.classifier.shape[0])
-    return on_kept_rows(args, _forward_rows, defer=_runs_fast(args))
+    return on_kept_rows(args, _forward_rows, order_of=_kept_first_order(args))
 
 
 def _runs_fast(args: Bound) -> bool:
@@ -55,30 +55,48 @@ def _runs_fast(args: Bound) -> bool:
     return args.mode == "fast" and needs_of(args).any
 
 
+def _kept_first_order(args: Bound) -> compaction.OrderOf | None:
+    """The implementation's kept-first order where this forward can queue its first GEMM
+    before it waits for the count of kept rows: a fast run whose logits GEMM is fused
+    (``policy.fast_fuses_exp``; it stops at a count only the GPU holds) on an implementation
+    with ``kept_first``. None: the count is waited for first (compaction.py)."""
+    order_of = getattr(implementation_for(args.hidden.device), "kept_first", None)
+    if order_of is None or not _runs_fast(args):
+        return None
+    problem = decide.problem_of(args.hidden, args.classifier, args.shift, compute_dtype_of(args))
+    whole_rows = policy.fast_needs_whole_rows(
+        softcap=bool(args.softcap),
+        entropy=args.return_entropy,
+        argmax=args.return_argmax,
+        split=False,
+    )
+    return order_of if policy.fast_fuses_exp(problem, whole_rows) else None
+
+
 def on_kept_rows(
-    args: Bound, forward_rows: ForwardRows, budget: int | None = None, *, defer: bool = False
+    args: Bound,
+    forward_rows: ForwardRows,
+    budget: int | None = None,
+    *,
+    order_of: compaction.OrderOf | None = None,
 ) -> ForwardOut:
     """``forward_rows`` on the rows whose target counts (all rows without ``skip_ignored``),
     its per-row outputs given back for every row, and those rows in ``row_index``;
-    ``budget``: the call's memory budget where not ``budget_of(args)``. ``defer``: the count
-    of kept rows is waited for by ``forward_rows`` itself, which takes a third argument, the
-    ``KeptRows`` of compaction's kept-first order (fast mode: its first GEMM runs meanwhile)."""
+    ``budget``: the call's memory budget where not ``budget_of(args)``. With ``order_of``
+    (``_kept_first_order``) ``forward_rows`` takes a third argument, the ``KeptRows`` of
+    compaction's kept-first order, and waits for their count itself."""
     budget = budget_of(args) if budget is None else budget
-    order_of = implementation_for(args.hidden.device).kept_first if defer else None
     selection = compaction.select(args, order_of)
-    if isinstance(selection, compaction.KeptFirst):
-        compact = compaction.compact(args, selection)
-        budget -= compaction.copy_bytes(args, selection)
-        out = forward_rows(compact, budget, selection.kept)
-        selection = selection.resolved()
-        # Every row was gathered, so the outputs go back through the index even where none
-        # was ignored (the index is then the identity).
-        out = _expanded(out, selection, args)
-    elif selection is None or not selection.compacted:
+    if selection is None or not selection.compacted:
         out = forward_rows(args, budget)
     else:
         compact = compaction.compact(args, selection)
-        out = forward_rows(compact, budget - compaction.copy_bytes(args, selection))
+        budget -= compaction.copy_bytes(args, selection)
+        if isinstance(selection, compaction.KeptFirst):
+            out = forward_rows(compact, budget, selection.kept)
+            selection = selection.resolved()
+        else:
+            out = forward_rows(compact, budget)
         out = _expanded(out, selection, args)
     out.row_index = None if selection is None else selection.index
     return out
@@ -95,10 +113,11 @@ def _forward_rows(args: Bound, budget: int, kept: KeptRows | None = None) -> For
     with float32_math(args.hidden.device):
         if _runs_fast(args):
             metrics = dict(entropy=args.return_entropy, argmax=args.return_argmax)
-            out = impl.fast_forward(head, rows, needs=needs, kept=kept, **metrics)
+            if kept is not None:
+                metrics["kept"] = kept
+            out = impl.fast_forward(head, rows, needs=needs, **metrics)
             lse = out.lse
-            if kept is not None:  # the outputs are the kept rows'
-                rows = rows.slice(0, kept.count())
+            rows = rows.slice(0, lse.numel())  # ``kept``: the kept rows' outputs alone
         else:
             beta = args.grad_filter if _filtered(args, spec) else None
             stats = impl.logit_stats(

@@ -210,7 +210,9 @@ def test_fast_mode_waits_for_the_kept_rows_count_after_its_first_gemm(monkeypatc
     rows' count on the device, before it waits for that count (compaction.KeptFirst): the
     GPU computes while the host waits. The rows computed are the kept ones, however many:
     none, fewer than a chunk, more than one; an ignored row's non-finite hidden changes
-    nothing (it is never computed on), and the results match the oracle."""
+    nothing, and the results match the oracle. (Rows past the count inside its row tile are
+    computed and never read: on a GPU they hold the ignored rows' NaN, in the interpreter the
+    kernel clamps them to the last kept row.)"""
     from cce_compile import policy
     from cce_compile.implementations import triton_fast
     from cce_compile.op import compaction
@@ -238,7 +240,7 @@ def test_fast_mode_waits_for_the_kept_rows_count_after_its_first_gemm(monkeypatc
     case = to_device(case)
     run_and_compare(case, mode="fast")
     assert events[:2] == [("gemm", True), "count"], events
-    assert events.count("count") == 1 and all(e[1] is False for e in events[2:]), events
+    assert all(e[1] is False for e in events[2:]), events  # later chunks: the count known
 
     def results(hidden):
         hidden = hidden.detach().requires_grad_()

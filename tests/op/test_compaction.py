@@ -66,12 +66,14 @@ def implementation(request, monkeypatch):
             if name in ("logit_stats", "gradients", "fast_forward"):
 
                 def record(head, *args, **kwargs):
-                    # Fast mode's kept-first rows (compaction.KeptFirst): every row is given,
-                    # the kept ones first, and only those are computed on.
-                    kept = kwargs.get("kept")
-                    shape = tuple(head.hidden.shape)
-                    seen.append((name, shape if kept is None else (1, kept.count(), shape[2])))
-                    return target(head, *args, **kwargs)
+                    result = target(head, *args, **kwargs)
+                    call, shape = name, tuple(head.hidden.shape)
+                    if kwargs.get("kept") is not None:
+                        # A fused fast run on a GPU is given every row, the kept ones first
+                        # (compaction.KeptFirst), and computes on the kept ones: its outputs'.
+                        call, shape = f"{name}(kept-first)", (1, result.lse.numel(), shape[2])
+                    seen.append((call, shape))
+                    return result
 
                 return record
             return target
@@ -181,8 +183,9 @@ def test_int32_targets_ignore_the_rows_pytorch_ignores(implementation, ignore_in
         run_and_compare(case, mode=mode)
     kept = _kept(case)
     batch, time = case.targets.shape
-    # Fast mode gathers every row in kept-first order before it knows that none is ignored.
-    compacted = kept < batch * (time - 1) or mode == "fast"
+    # A fused fast run (GPU) gathers every row, kept first, before it knows none is ignored.
+    kept_first = any(name.endswith("(kept-first)") for name, _ in implementation)
+    compacted = kept < batch * (time - 1) or kept_first
     rows = (1, kept) if skip and compacted else (batch, time)
     assert implementation and all(shape[:2] == rows for _, shape in implementation)
 
@@ -350,24 +353,15 @@ KEPT_FIRST_ROWS = [(0, 0.0), (1, 0.0), (1, 1.0), (37, 0.5), (64, 1.0), (300, 0.3
 
 
 @pytest.mark.parametrize("rows, kept_fraction", KEPT_FIRST_ROWS)
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_kept_first_order_is_the_kept_rows_then_the_ignored_ones(rows, kept_fraction, impl):
-    """Fast mode's deferred selection: the kept rows ascending, then the ignored ones
-    ascending, and their count, from device operations alone (either implementation's
-    ``kept_first``; the Triton kernel walks 16-row blocks here)."""
+@pytest.mark.skipif(not INTERPRETING, reason="needs a GPU or TRITON_INTERPRET=1")
+def test_a_kept_first_selection_resolves_to_the_kept_rows(rows, kept_fraction):
+    """Fast mode's deferred selection: every row in the kernel's kept-first order, then, once
+    the count is read, the kept rows ascending (the index the backward gathers with)."""
+    from cce_compile.kernels.kept_first import kept_first
     from cce_compile.op import compaction
 
-    if impl == "triton":
-        if not INTERPRETING:
-            pytest.skip("needs a GPU or TRITON_INTERPRET=1")
-        from cce_compile.kernels.kept_first import kept_first
-
-        order_of = lambda valid: kept_first(valid, block=16)  # noqa: E731
-    else:
-        order_of = torch_path.kept_first
     valid = torch.rand(rows, generator=torch.Generator().manual_seed(rows)) < kept_fraction
-    deferred = compaction._kept_first(valid.to(DEVICE), order_of)
-    expected = torch.cat([valid.nonzero().squeeze(1), (~valid).nonzero().squeeze(1)])
-    assert torch.equal(deferred.index.cpu(), expected)
+    deferred = compaction._kept_first(valid.to(DEVICE), lambda v: kept_first(v, block=16))
+    assert deferred.compacted and deferred.index.numel() == rows
     assert deferred.kept.count() == int(valid.sum())
     assert torch.equal(deferred.resolved().index.cpu(), valid.nonzero().squeeze(1))
