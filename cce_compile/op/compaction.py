@@ -76,7 +76,7 @@ class KeptFirst(Selection):
     """A deferred selection: every loss row in kept-first order (``index``: the kept rows
     ascending, then the ignored ones), and the count of kept ones on its way to the host."""
 
-    kept: KeptRows | None = None
+    kept: KeptRows
 
     @property
     def compacted(self) -> bool:

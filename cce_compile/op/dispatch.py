@@ -112,10 +112,10 @@ def _forward_rows(args: Bound, budget: int, kept: KeptRows | None = None) -> For
     rows = row_targets(args.targets, args.class_weights, spec, vocab)
     with float32_math(args.hidden.device):
         if _runs_fast(args):
-            metrics = dict(entropy=args.return_entropy, argmax=args.return_argmax)
-            if kept is not None:
-                metrics["kept"] = kept
-            out = impl.fast_forward(head, rows, needs=needs, **metrics)
+            options = dict(entropy=args.return_entropy, argmax=args.return_argmax)
+            if kept is not None:  # (an implementation with ``kept_first`` only)
+                options["kept"] = kept
+            out = impl.fast_forward(head, rows, needs=needs, **options)
             lse = out.lse
             rows = rows.slice(0, lse.numel())  # ``kept``: the kept rows' outputs alone
         else:
