@@ -28,6 +28,7 @@ import pathlib
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -45,20 +46,15 @@ VARIANTS = {
 }
 
 
-@contextlib.contextmanager
 def count_first(name):
     """For ``cce_count_first``: ``bench.count_first_selection`` in place of the kept-first
-    order."""
+    order, for the variant's run."""
+    if name != "cce_count_first":
+        return contextlib.nullcontext()
     from bench import count_first_selection
     from cce_compile.op import compaction
 
-    real = compaction._kept_first
-    if name == "cce_count_first":
-        compaction._kept_first = count_first_selection
-    try:
-        yield
-    finally:
-        compaction._kept_first = real
+    return mock.patch.object(compaction, "_kept_first", count_first_selection)
 
 
 def build_model(args):

@@ -287,8 +287,7 @@ def fast_forward(
     def logits(start: int, stop: int, row_limit: torch.Tensor | None = None):
         """The chunk's logits GEMM (fused: its scaled exponentials), queued."""
         if fused:
-            h = positions[start:stop]
-            _fused_gemm(h, classifier, static_args, targets, out, stop, row_limit)
+            _fused_gemm(positions, classifier, static_args, targets, out, (start, stop), row_limit)
             return None
         chunk_logits = out.logits[: stop - start]
         shared.matmul(positions[start:stop], classifier.t(), out=chunk_logits)
@@ -336,21 +335,21 @@ def _plan(head: HeadInputs, hidden: torch.Tensor, whole_rows: bool, split) -> tu
 
 
 def _fused_gemm(
-    h: torch.Tensor,
+    positions: torch.Tensor,
     classifier: torch.Tensor,
     static_args: dict,
     targets: torch.Tensor,
     out: _FastBuffers,
-    stop: int,
+    span: tuple,
     row_limit: torch.Tensor | None,
 ) -> None:
-    """The scaled exponentials of the chunk ``h`` of positions [stop - len(h), stop) from the
-    logits GEMM's epilogue (``logits_exp``), with its tile maxima, partial lse (and weighted
-    sums) and target logits; ``row_limit``: its rows past a count on the device are left."""
-    start = stop - h.shape[0]
+    """The scaled exponentials of the positions [start, stop) (``span``) from the logits
+    GEMM's epilogue (``logits_exp``), with their tile maxima, partial lse (and weighted sums)
+    and target logits; ``row_limit``: the chunk's rows past a count on the device are left."""
+    start, stop = span
     grad, block_max, partial_lse, partial_wsum = out.fused_parts(stop - start)
     logits_exp(
-        h,
+        positions[start:stop],
         classifier,
         targets[start:stop],
         grad,

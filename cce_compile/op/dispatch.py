@@ -117,7 +117,8 @@ def _forward_rows(args: Bound, budget: int, kept: KeptRows | None = None) -> For
                 options["kept"] = kept
             out = impl.fast_forward(head, rows, needs=needs, **options)
             lse = out.lse
-            rows = rows.slice(0, lse.numel())  # ``kept``: the kept rows' outputs alone
+            if kept is not None:  # the outputs are the kept rows'
+                rows = rows.slice(0, lse.numel())
         else:
             beta = args.grad_filter if _filtered(args, spec) else None
             stats = impl.logit_stats(
