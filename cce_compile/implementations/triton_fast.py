@@ -251,6 +251,8 @@ def fast_forward(
         softcap=bool(head.spec.softcap), entropy=entropy, argmax=argmax, split=split is not None
     )
     layout, problem, fused = _plan(head, hidden, whole_rows, split)
+    if fused and whole_rows:  # pass 2 would compute a plausible wrong gradient
+        raise RuntimeError("fast mode fused a chunk that needs its whole float32 logits")
     if kept is not None and not fused:
         # cuBLAS's logits GEMM cannot stop at a count only the GPU holds: wait for it now.
         head, rows = kept.restricted(head, rows)

@@ -375,6 +375,20 @@ def test_fast_mode_keeps_whole_rows_where_the_fused_form_cannot_serve(monkeypatc
     run_and_compare(to_device(case), mode="fast")
 
 
+def test_a_policy_that_fuses_a_softcap_chunk_is_refused_not_computed(monkeypatch):
+    """A fused chunk has no float32 logits for softcap's derivative: should the policy ever
+    fuse one (break run 18 forced it: a loss 0.98 off, wrong gradients), the call raises."""
+    from cce_compile import policy
+
+    monkeypatch.setattr(policy, "fast_fuses_exp", lambda *args: True)
+    case = to_device(build_case(leading=(2, 7), dim=18, vocab=45, softcap=5.0, seed=14))
+    case.hidden.requires_grad_()  # (fast mode: gradients in the forward)
+    with pytest.raises(RuntimeError, match="whole float32 logits"):
+        cce_compile.linear_cross_entropy(
+            case.hidden, case.classifier, case.targets, softcap=5.0, mode="fast"
+        )
+
+
 @pytest.mark.parametrize("mode", ["lean", "fast"])
 def test_float32_inputs_with_a_bf16_compute_dtype_in_slabs(monkeypatch, mode):
     """Autocast's form: float32 hidden and classifier rounded to bf16 inside the op, the
