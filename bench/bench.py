@@ -47,6 +47,7 @@ SHAPES = {  # name: (N, D, V)
     "G": (16384, 512, 131072),  # the GPU demo's head: batch 16 x context 1024, dim 512
     "H": (16384, 768, 131072),  # GPT-2 small's width
     "I": (16384, 1024, 131072),  # where the small-tile rule (D <= 2048) was checked
+    "L": (8192, 2048, 128256),  # e2e_llama.py's head: 4 x 2048 tokens, hidden 2048
 }
 GiB = 2**30
 SEQUENCE = 2048  # tokens per sequence for prompt-style masking

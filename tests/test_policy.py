@@ -278,10 +278,10 @@ def test_fused_row_bytes_cover_what_a_fused_chunk_allocates(dim, heavy):
     weighted sums per ``logits_exp`` tile of the GPU's tile configuration, and d hidden."""
     import torch
 
-    from cce_compile.implementations.triton_shared import tile_config
+    from cce_compile.implementations.triton_shared import fused_tile_config
     from cce_compile.kernels.logits_exp import exp_blocks
 
-    config = tile_config(torch.device("cuda"), heavy, 2, dim=dim)
+    config = fused_tile_config(torch.device("cuda"), heavy, dim=dim, tma=True)
     assert config.block_v >= policy.FUSED_TILE_MIN_CLASSES
     for vocab in (1, 7, 127, 128, 129, 32000, 50257, 128256, 256000):
         problem = Problem(rows=64, vocab=vocab, dim=dim, logit_bytes=2)

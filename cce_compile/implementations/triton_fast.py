@@ -266,6 +266,7 @@ def fast_forward(
         classifier = classifier.contiguous()
     chunk = policy.fast_run_rows(problem, needs.classifier, head.budget_bytes, fused)
     targets = _PositionCoefficients.targets_of(head, rows, layout, split)
+    positions = layout.positions()
     out = _FastBuffers(
         head,
         layout,
@@ -275,9 +276,8 @@ def fast_forward(
         entropy=entropy,
         argmax=argmax,
         split=bool(split),
-        fused_tiles=shared.config_of(head, hidden) if fused else None,
+        fused_tiles=shared.fused_config_of(head, positions, classifier) if fused else None,
     )
-    positions = layout.positions()
     static_args = dict(
         class_weights=head.class_weights,
         logit_scale=head.spec.logit_scale,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import policy
-from ..kernels.common import RowLayout, TileConfig
+from ..kernels.common import RowLayout, TileConfig, operands_tma_ok
 from ..kernels.scale_cast import scale_cast
 from .interface import HeadInputs
 
@@ -63,6 +63,33 @@ def tile_config(
     )
 
 
+def fused_tile_config(
+    device: torch.device, heavy: bool = False, elem_bytes: int = 2, *, dim: int, tma: bool
+) -> TileConfig:
+    """Tiles for fast mode's fused logits GEMM (``kernels/logits_exp.py``); ``tma``: its
+    operands load by TMA (``kernels.common.operands_tma_ok``).
+
+    That kernel is persistent, one program per SM, so the small tiles that let two of lean's
+    programs share an SM (``tile_config`` up to D = 2048) leave the SM half used: 128 x 256
+    tiles on eight warps, grouped 16 row tiles deep, were the fastest at every D measured (H200,
+    AMP chunks, x cuBLAS's bf16 GEMM of the chunk; bench/results/tune_fused.md, session 19):
+    D = 512 1.58x (small tiles 2.39x), 1024 1.38x (2.06x), 2048 1.18x (1.71x), 4096 1.24x
+    (1.28x with 8-deep groups). They fit shared memory for 2-byte operands loaded by TMA only;
+    other operands, the heavy epilogue (label smoothing, class weights: it would spill) and the
+    interpreter keep ``tile_config``'s."""
+    if device.type == "cpu" or heavy or elem_bytes != 2 or not tma:
+        return tile_config(device, heavy, elem_bytes, dim=dim)
+    return TileConfig(
+        block_n=128,
+        block_v=256,
+        block_d=64,
+        group_n=16,
+        num_warps=8,
+        num_stages=3,
+        tiles_per_program=1,
+    )
+
+
 def rounded(compute_dtype: torch.dtype | None, t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` in the compute dtype (a copy only where that rounds it)."""
     return t if t is None or compute_dtype is None else t.to(compute_dtype)
@@ -73,11 +100,28 @@ def part(t: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
     return None if t is None else t[start:stop]
 
 
+def _heavy(head: HeadInputs) -> bool:
+    """Does ``head``'s epilogue hold more registers (softcap, label smoothing, class weights)?"""
+    spec = head.spec
+    return bool(spec.softcap or spec.label_smoothing or head.class_weights is not None)
+
+
 def config_of(head: HeadInputs, hidden: torch.Tensor) -> TileConfig:
     """The GEMM kernels' tiles for ``head`` (``hidden``: its hidden in the compute dtype)."""
-    spec = head.spec
-    heavy = bool(spec.softcap or spec.label_smoothing or head.class_weights is not None)
-    return tile_config(hidden.device, heavy, hidden.element_size(), dim=head.classifier.shape[1])
+    dim = head.classifier.shape[1]
+    return tile_config(hidden.device, _heavy(head), hidden.element_size(), dim=dim)
+
+
+def fused_config_of(
+    head: HeadInputs, positions: torch.Tensor, classifier: torch.Tensor
+) -> TileConfig:
+    """The fused logits GEMM's tiles for ``head``, reading ``positions`` (its hidden rows in
+    the compute dtype) and ``classifier`` (in the compute dtype)."""
+    tma = operands_tma_ok(positions, positions.stride(0), classifier)
+    dim = classifier.shape[1]
+    return fused_tile_config(
+        positions.device, _heavy(head), positions.element_size(), dim=dim, tma=tma
+    )
 
 
 def work_dtype(tensor: torch.Tensor) -> torch.dtype:

@@ -152,10 +152,16 @@ def dot_precision(dtype: torch.dtype, device: torch.device) -> str:
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
 
 
+def operands_tma_ok(hidden: torch.Tensor, row_stride: int, classifier: torch.Tensor) -> bool:
+    """Do the GEMM kernels load these operands by TMA (``operand_args``)? A caller choosing
+    tiles asks too: a tile loaded by pointers takes more shared memory."""
+    return tma_ok(hidden, row_stride) and tma_ok(classifier, classifier.stride(0))
+
+
 def operand_args(layout: RowLayout, classifier: torch.Tensor, config: TileConfig):
     """(hidden, classifier, USE_TMA): descriptors when both operands allow TMA, else tensors."""
     dim = classifier.shape[1]
-    use_tma = tma_ok(layout.matrix, layout.stride_pos) and tma_ok(classifier, classifier.stride(0))
+    use_tma = operands_tma_ok(layout.matrix, layout.stride_pos, classifier)
     if not use_tma:
         return layout.matrix, classifier, False
     from triton.tools.tensor_descriptor import TensorDescriptor

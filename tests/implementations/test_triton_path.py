@@ -474,6 +474,31 @@ def test_gpu_tile_choice(dim, heavy, elem_bytes, expected):
     assert (config.block_n, config.block_v, config.num_warps) == expected
 
 
+@pytest.mark.parametrize(
+    "dim, heavy, elem_bytes, tma, expected",
+    [
+        (512, False, 2, True, (128, 256, 8)),
+        (2048, False, 2, True, (128, 256, 8)),
+        (4096, False, 2, True, (128, 256, 8)),
+        (2048, True, 2, True, (128, 128, 8)),
+        (512, False, 2, False, (128, 128, 4)),
+        (512, False, 4, True, (128, 128, 8)),
+    ],
+    ids=["d512", "d2048", "d4096", "heavy-keeps-lean-tiles", "pointer-loads", "float32"],
+)
+def test_gpu_fused_tile_choice(dim, heavy, elem_bytes, tma, expected):
+    """The fused logits GEMM is persistent (one program per SM): wide tiles at every D where
+    they fit shared memory (2-byte operands by TMA), where lean's kernels take small ones up to
+    D = 2048 (two programs per SM). The wide tiles by pointers, or in float32, took 256-448 KB
+    of an H200's 227 (session 19's GPU run)."""
+    from cce_compile.implementations import triton_shared
+
+    config = triton_shared.fused_tile_config(
+        torch.device("cuda"), heavy, elem_bytes, dim=dim, tma=tma
+    )
+    assert (config.block_n, config.block_v, config.num_warps) == expected
+
+
 @pytest.mark.parametrize("mode", ["lean", "fast"])
 @pytest.mark.parametrize(
     "leading, shift", [((0, 5), 0), ((0, 5), 1), ((3, 0), 0)], ids=["B0", "B0-shift", "T0"]
