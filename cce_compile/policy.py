@@ -45,15 +45,15 @@ log = logging.getLogger("cce_compile")
 # The most rows per fast-mode chunk: beyond it more rows buy little speed (the accumulator's
 # re-read is ~5% at 4096) and cost chunk memory.
 FAST_CHUNK_ROWS = 4096
-# The narrowest hidden size for which auto prefers fast on a GPU: fast moves ~14 bytes per logit
-# outside its GEMMs (float32 logits written and read, the bf16 gradient written and read
-# twice) against 6 D FLOPs, lean ~6 bytes against 8 D FLOPs with its forward fused; at ~200
-# FLOP per byte lean is the faster below D ~ 850: shape G (D = 512) ran fast at 1.38x
-# compile's time and lean at 1.10x, C (D = 2048) fast at 2.97 ms and lean at 3.72 (H100).
-# Fused chunks (``fast_fuses_exp``) move fewer bytes and ran faster than lean below it too
-# (H200, session 16: G 16.22 ms against lean's 16.59, H (D = 768) 19.98 against 21.97), but
-# their classifier gradient, summed chunk by chunk in bf16, had 1.35x (G) and 1.58x (H)
-# torch.compile's error where lean matches compile's: the floor stays for accuracy.
+# The narrowest hidden size at which auto prefers fast on a GPU with whole float32 rows, or
+# with a classifier gradient summed chunk by chunk in bf16 / fp16. Whole rows move ~14 bytes a
+# logit outside the GEMMs against lean's ~6: lean is the faster below D ~ 850 (G, H100: fast
+# 1.38x compile's time, lean 1.10x). Fused chunks (``fast_fuses_exp``) are faster than lean at
+# every D measured (H200, session 19, wide fused tiles: G AMP 14.50 ms against lean's 16.71 and
+# compile's 14.99; G bf16 13.85 against 16.32 and 15.06), but a 2-byte classifier gradient,
+# summed over their chunks, had 1.35x (G) and 1.58x (H) torch.compile's error where lean has
+# compile's (session 16): there the floor stays, for accuracy. A float32 gradient (AMP) sums
+# the chunks exactly, and a frozen head has none: both take fused chunks at any D.
 MIN_FAST_DIM = 1024
 # The fewest rows per fast-mode chunk for auto to prefer fast over lean, for a float32
 # classifier gradient (AMP); half of it for a 2-byte one (module docstring).
@@ -210,10 +210,18 @@ def fast_floor_rows(problem: Problem, needs_classifier: bool) -> int:
     return MIN_FAST_ROWS * gradient_bytes // 4
 
 
+def narrow_head_keeps_lean(problem: Problem, needs_classifier: bool, fused: bool) -> bool:
+    """Below MIN_FAST_DIM on a GPU: are fast's chunks slower than lean (whole rows), or is its
+    classifier gradient summed in 2 bytes (less accurate than lean's)?"""
+    if problem.device_type != "cuda" or problem.dim >= MIN_FAST_DIM:
+        return False
+    return not fused or (needs_classifier and not problem.rounds_classifier)
+
+
 def fast_fits(problem: Problem, needs_classifier: bool, budget: int, fused: bool = False) -> bool:
-    """Does a fast-mode chunk that auto would accept fit the budget (module docstring), on a
-    GPU at a hidden size where fast's passes over the logits cost less than lean's GEMM?"""
-    if problem.device_type == "cuda" and problem.dim < MIN_FAST_DIM:
+    """Does a fast-mode chunk that auto would accept fit the budget (module docstring), where
+    a narrow head does not keep lean (``narrow_head_keeps_lean``)?"""
+    if narrow_head_keeps_lean(problem, needs_classifier, fused):
         return False
     chunk = fast_chunk_rows(problem, budget, fused, needs_classifier)
     return chunk > 0 and chunk >= min(fast_floor_rows(problem, needs_classifier), problem.rows)

@@ -254,11 +254,29 @@ def test_the_default_budget_takes_fast_for_a_trained_bf16_head_at_e_and_b():
         assert policy.fast_run_rows(problem, True, budget) * ROW <= budget
 
 
-def test_a_narrow_head_on_a_gpu_takes_lean():
-    """D < MIN_FAST_DIM: fast's passes over the logits outweigh lean's extra GEMM (shape G)."""
+def test_a_narrow_head_on_a_gpu_takes_lean_where_fast_sums_a_bf16_gradient_or_whole_rows():
+    """D < MIN_FAST_DIM (shape G): a bf16 classifier gradient summed over fused chunks is less
+    accurate than lean's, and whole float32 rows (float32 logits) are slower than lean."""
     g = Problem(rows=16384, vocab=131072, dim=512, logit_bytes=2)
     assert choose(problem=g) == "lean"
+    assert choose(problem=dataclasses.replace(g, logit_bytes=4)) == "lean"
+    assert choose(problem=dataclasses.replace(g, rounds_classifier=True), whole_rows=True) == "lean"
     assert choose(problem=dataclasses.replace(g, device_type="cpu")) == "fast"
+
+
+@pytest.mark.parametrize(
+    "rounds_classifier, needs_classifier",
+    [(True, True), (False, False), (True, False)],
+    ids=["amp-float32-gradient", "bf16-frozen", "amp-frozen"],
+)
+def test_a_narrow_head_takes_fused_fast_where_no_bf16_gradient_sums_the_chunks(
+    rounds_classifier, needs_classifier
+):
+    """Under AMP the float32 classifier gradient sums the chunks exactly, and a frozen head has
+    none: fused chunks, faster than lean at G (H200, session 19), are auto's choice there."""
+    g = Problem(16384, 131072, 512, 2, rounds_classifier, rounds_classifier)
+    default = policy.budget_bytes(g, None, cce_compile.config.Settings().memory_fraction)
+    assert choose(problem=g, budget=default, needs_classifier=needs_classifier) == "fast"
 
 
 def test_fused_fast_chunks_hold_more_rows_within_the_same_budget():
