@@ -39,8 +39,8 @@ FAMILIES = (
             "_kept_first",
         ),
     ),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),  # before GEMM: cutlass / sm90_ names
     ("GEMM (cuBLAS)", ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "ampere_bf16", "cublas")),
-    ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("optimizer", ("multi_tensor", "adam", "fused_adam")),
     ("inductor (triton)", ("triton_",)),
     ("copies", ("memcpy", "memset", "copy_kernel", "cat_")),
@@ -166,7 +166,7 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timed", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2, help="steps under the profiler")
     parser.add_argument("--labels", choices=("all", "sft50"), default="all")
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--out", default="bench/results/e2e_profile")

@@ -152,10 +152,11 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
+        "amp_chunks": args.amp,
     }
     for name in args.shapes.split(","):
         results[name] = tune_shape(name, args.reps, args.amp)
-    out = pathlib.Path(args.out) / "tune_fused.json"
+    out = pathlib.Path(args.out) / ("tune_fused_amp.json" if args.amp else "tune_fused.json")
     out.write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))
 

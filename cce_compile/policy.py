@@ -88,8 +88,9 @@ MIN_SLAB_MACS = 2**35
 # 10% of its rows skipped and no faster with 50%; E (2^42) 6% and 47% faster (H200, session 11,
 # bench/results/sft_masking.md). On a CPU the sync costs nothing.
 MIN_SKIP_MACS = 2**39
-# The narrowest GEMM tile (classes) of ``implementations.triton_shared.tile_config`` on a GPU:
-# fast mode's fused chunks hold a few float32 values per tile and row (``fast_row_bytes``).
+# The narrowest GEMM tile (classes) that fast mode's fused GEMM takes on a GPU
+# (``implementations.triton_shared.fused_tile_config``, 256 or, where it falls back to lean's
+# ``tile_config``, 128): its chunks hold a few float32 values per tile and row (``fast_row_bytes``).
 FUSED_TILE_MIN_CLASSES = 128
 # The smallest budget: tiny problems (tests, the CPU demo's first steps) still get chunks of
 # useful size.

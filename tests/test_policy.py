@@ -261,6 +261,8 @@ def test_a_narrow_head_on_a_gpu_takes_lean_where_fast_sums_a_bf16_gradient_or_wh
     assert choose(problem=g) == "lean"
     assert choose(problem=dataclasses.replace(g, logit_bytes=4)) == "lean"
     assert choose(problem=dataclasses.replace(g, rounds_classifier=True), whole_rows=True) == "lean"
+    # a bf16 classifier beside a rounded (float32) hidden: its gradient is bf16 all the same
+    assert choose(problem=dataclasses.replace(g, rounds_hidden=True)) == "lean"
     assert choose(problem=dataclasses.replace(g, device_type="cpu")) == "fast"
 
 

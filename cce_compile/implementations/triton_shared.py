@@ -24,7 +24,8 @@ SMALL_TILE_MAX_DIM = 2048
 def tile_config(
     device: torch.device, heavy: bool = False, elem_bytes: int = 2, *, dim: int
 ) -> TileConfig:
-    """Tiles for the GEMM kernels.
+    """Tiles for lean's GEMM kernels (a program per tile), and for the fused logits GEMM where
+    its own (``fused_tile_config``) do not fit.
 
     ``heavy``: softcap / label smoothing / class weights add epilogue registers, and 128 x 256
     tiles would spill (bench/sass_report.py). float32 operands take twice the shared memory
@@ -74,9 +75,10 @@ def fused_tile_config(
     tiles on eight warps, grouped 16 row tiles deep, were the fastest at every D measured (H200,
     AMP chunks, x cuBLAS's bf16 GEMM of the chunk; bench/results/tune_fused.md, session 19):
     D = 512 1.58x (small tiles 2.39x), 1024 1.38x (2.06x), 2048 1.18x (1.71x), 4096 1.24x
-    (1.28x with 8-deep groups). They fit shared memory for 2-byte operands loaded by TMA only;
-    other operands, the heavy epilogue (label smoothing, class weights: it would spill) and the
-    interpreter keep ``tile_config``'s."""
+    (1.28x with 8-deep groups). They are for 2-byte operands loaded by TMA, the form measured:
+    in float32 they take 320-448 KB of shared memory (the GPU test run, session 19), and loaded
+    by pointers they were not measured. Those, the heavy epilogue (label smoothing, class
+    weights: it would spill) and the interpreter keep ``tile_config``'s."""
     if device.type == "cpu" or heavy or elem_bytes != 2 or not tma:
         return tile_config(device, heavy, elem_bytes, dim=dim)
     return TileConfig(

@@ -477,12 +477,12 @@ def test_gpu_tile_choice(dim, heavy, elem_bytes, expected):
 @pytest.mark.parametrize(
     "dim, heavy, elem_bytes, tma, expected",
     [
-        (512, False, 2, True, (128, 256, 8)),
-        (2048, False, 2, True, (128, 256, 8)),
-        (4096, False, 2, True, (128, 256, 8)),
-        (2048, True, 2, True, (128, 128, 8)),
-        (512, False, 2, False, (128, 128, 4)),
-        (512, False, 4, True, (128, 128, 8)),
+        (512, False, 2, True, (128, 256, 8, 16, 3)),
+        (2048, False, 2, True, (128, 256, 8, 16, 3)),
+        (4096, False, 2, True, (128, 256, 8, 16, 3)),
+        (2048, True, 2, True, (128, 128, 8, 8, 4)),
+        (512, False, 2, False, (128, 128, 4, 8, 3)),
+        (512, False, 4, True, (128, 128, 8, 8, 3)),
     ],
     ids=["d512", "d2048", "d4096", "heavy-keeps-lean-tiles", "pointer-loads", "float32"],
 )
@@ -496,7 +496,56 @@ def test_gpu_fused_tile_choice(dim, heavy, elem_bytes, tma, expected):
     config = triton_shared.fused_tile_config(
         torch.device("cuda"), heavy, elem_bytes, dim=dim, tma=tma
     )
-    assert (config.block_n, config.block_v, config.num_warps) == expected
+    chosen = (config.block_n, config.block_v, config.num_warps, config.group_n, config.num_stages)
+    assert chosen == expected
+
+
+@pytest.mark.parametrize(
+    "dtype, dim, row_stride, tma",
+    [
+        (torch.bfloat16, 64, 64, True),
+        (torch.bfloat16, 18, 18, False),
+        (torch.bfloat16, 64, 68, False),
+        (torch.float32, 16, 16, True),
+    ],
+    ids=["bf16-aligned", "bf16-rows-of-36-bytes", "bf16-strided-rows", "float32-aligned"],
+)
+def test_fused_tiles_follow_what_the_launcher_loads_by_tma(
+    monkeypatch, dtype, dim, row_stride, tma
+):
+    """``fused_config_of`` asks for tiles with the TMA verdict of the operands the fused GEMM
+    will read (the launcher's rule, ``operands_tma_ok``), their element size and the epilogue."""
+    from cce_compile.implementations import triton_shared
+
+    asked = []
+    monkeypatch.setattr(
+        triton_shared, "fused_tile_config", lambda *a, **k: asked.append((a, k)) or "tiles"
+    )
+    from cce_compile.implementations.interface import HeadInputs
+    from cce_compile.loss_math import LossSpec
+
+    storage = torch.zeros(10 * row_stride, dtype=dtype)
+    positions = storage.as_strided((10, dim), (row_stride, 1))
+    classifier = torch.zeros(40, dim, dtype=dtype)
+    targets = torch.zeros(1, 10, dtype=torch.int64)
+    spec = LossSpec(label_smoothing=0.1)
+    head = HeadInputs(
+        positions[None],
+        classifier,
+        targets,
+        None,
+        None,
+        spec,
+        1 << 20,
+    )
+    assert triton_shared.fused_config_of(head, positions, classifier) == "tiles"
+    (device, heavy, elem_bytes), options = asked[0]
+    assert (heavy, elem_bytes, options["tma"], options["dim"]) == (
+        True,
+        positions.element_size(),
+        tma,
+        dim,
+    )
 
 
 @pytest.mark.parametrize("mode", ["lean", "fast"])
