@@ -12,14 +12,16 @@ gradients it returns):
   allows and at least ``MIN_SLAB_COLUMNS`` (so at V < 16 D, where the accumulator alone is
   over 1/5 of the logits, lean takes more than the budget).
 * fast: no V x D tensor of its own (the classifier's gradient, in its own dtype, accumulates
-  the chunks: it is an output, not extra); the rounded hidden (AMP; the rounded classifier is
-  autocast's own copy, not counted: ``fast_fixed_bytes``), and chunks of ``n`` rows with
-  their float32 hidden gradient (n x D x 4): float32 logits (n x V x 4; the bf16 gradient is
-  written over them), or, for a bf16 / fp16 gradient where no whole rows are needed
-  (``fast_fuses_exp``), the logits GEMM's scaled exponentials (n x V x 2, plus a few float32
-  values per tile of classes); ``n`` at most ``FAST_CHUNK_ROWS`` and as large as the budget
-  allows (``fast_row_bytes``); without a classifier gradient (a frozen head) and no rounded
-  classifier, as large as ``FROZEN_BUDGET_SHARE`` of what the fixed bytes leave allows.
+  the chunks: it is an output, not extra), except below ``MIN_FAST_DIM``, where a 2-byte
+  gradient is summed in a float32 buffer (V x D x 4, counted); the rounded hidden (AMP; the
+  rounded classifier is autocast's own copy, not counted: ``fast_fixed_bytes``), and chunks
+  of ``n`` rows with their float32 hidden gradient (n x D x 4): float32 logits (n x V x 4;
+  the bf16 gradient is written over them), or, for a bf16 / fp16 gradient where no whole
+  rows are needed (``fast_fuses_exp``), the logits GEMM's scaled exponentials (n x V x 2,
+  plus a few float32 values per tile of classes); ``n`` at most ``FAST_CHUNK_ROWS`` and as
+  large as the budget allows (``fast_row_bytes``); without a classifier gradient (a frozen
+  head) and no rounded classifier, as large as ``FROZEN_BUDGET_SHARE`` of what the fixed
+  bytes leave allows.
 * auto: fast when it is valid (scalar loss, gradients wanted, no gradient of the returned lse)
   and a chunk of at least ``fast_floor_rows`` rows, or all rows, fits; else lean. A fast run
   keeps at least that floor (``fast_run_rows``).
@@ -45,15 +47,16 @@ log = logging.getLogger("cce_compile")
 # The most rows per fast-mode chunk: beyond it more rows buy little speed (the accumulator's
 # re-read is ~5% at 4096) and cost chunk memory.
 FAST_CHUNK_ROWS = 4096
-# The narrowest hidden size at which auto prefers fast on a GPU with whole float32 rows, or
-# with a classifier gradient summed chunk by chunk in bf16 / fp16. Whole rows move ~14 bytes a
-# logit outside the GEMMs against lean's ~6: lean is the faster below D ~ 850 (G, H100: fast
-# 1.38x compile's time, lean 1.10x). Fused chunks (``fast_fuses_exp``) are faster than lean at
-# every D measured (H200, session 19, wide fused tiles: G AMP 14.50 ms against lean's 16.71 and
-# compile's 14.99; G bf16 13.85 against 16.32 and 15.06), but a 2-byte classifier gradient,
-# summed over their chunks, had 1.35x (G) and 1.58x (H) torch.compile's error where lean has
-# compile's (session 16): there the floor stays, for accuracy. A float32 gradient (AMP) sums
-# the chunks exactly, and a frozen head has none: both take fused chunks at any D.
+# The narrowest hidden size at which auto prefers fast on a GPU with whole float32 rows; below
+# it a fast run sums a 2-byte classifier gradient in float32 (``sums_classifier_in_float32``).
+# Whole rows move ~14 bytes a logit outside the GEMMs against lean's ~6: lean is the faster
+# below D ~ 850 (G, H100: fast 1.38x compile's time, lean 1.10x). Fused chunks
+# (``fast_fuses_exp``) are faster than lean at every D measured (H200, session 19, wide fused
+# tiles: G AMP 14.50 ms against lean's 16.71 and compile's 14.99), but a 2-byte classifier
+# gradient summed over their chunks in its own dtype had 1.35x (G) and 1.58x (H)
+# torch.compile's error where lean has compile's (session 16). Summed in a float32 buffer it
+# has compile's (G bf16, H200, session 19: 15.02 ms, 1.01x compile's time at 0.196 of its
+# memory, error 2.55e-3 against 2.56e-3; lean 1.11x; H 1.05x against lean's 1.14x).
 MIN_FAST_DIM = 1024
 # The fewest rows per fast-mode chunk for auto to prefer fast over lean, for a float32
 # classifier gradient (AMP); half of it for a 2-byte one (module docstring).
@@ -144,15 +147,27 @@ def rounded_hidden_bytes(problem: Problem) -> int:
     return problem.rows * problem.dim * problem.logit_bytes if problem.rounds_hidden else 0
 
 
-def fast_fixed_bytes(problem: Problem) -> int:
-    """Fast mode's memory besides its chunk: under AMP, the rounded hidden. The classifier's
+def sums_classifier_in_float32(problem: Problem, needs_classifier: bool, fused: bool) -> bool:
+    """Does a fast run sum a 2-byte classifier gradient in a float32 buffer of its own (V x D x
+    4, rounded once at the end)? Below MIN_FAST_DIM on a GPU: there the 2-byte sum over the
+    chunks had 1.35-1.58x compile's error (lean: compile's), and the buffer is small (2 D / N of
+    the logits' size: at G 256 MiB, ~1/3 of the default budget)."""
+    narrow = problem.device_type == "cuda" and problem.dim < MIN_FAST_DIM
+    return narrow and fused and needs_classifier and not problem.rounds_classifier
+
+
+def fast_fixed_bytes(problem: Problem, needs_classifier: bool = True, fused: bool = False) -> int:
+    """Fast mode's memory besides its chunk: under AMP, the rounded hidden; a float32 buffer for
+    the classifier gradient where one sums it (``sums_classifier_in_float32``). The classifier's
     gradient is the op's output, not extra. The classifier's rounded copy (V x D, held through
     the forward op) is not counted, by choice: it is the copy autocast makes for ``F.linear``,
     but torch.compile does not hold it beside its logits (its AMP peak at E is below its bf16
     one), so under AMP fast mode takes more than the budget (0.45-0.73x of compile's extra
     memory at B and E, bench/results/loss_head.md) for less time than lean's (E, H100: 1.14x
     against 1.31x compile's)."""
-    return rounded_hidden_bytes(problem)
+    buffer = problem.vocab * problem.dim * 4
+    summed = sums_classifier_in_float32(problem, needs_classifier, fused)
+    return rounded_hidden_bytes(problem) + (buffer if summed else 0)
 
 
 def fast_needs_whole_rows(*, softcap: bool, entropy: bool, argmax: bool, split: bool) -> bool:
@@ -188,12 +203,12 @@ def fast_chunk_rows(
     within ``FROZEN_BUDGET_SHARE`` of what the fixed bytes leave, but never under the floor
     (``fast_floor_rows``) where the whole of it holds the floor: the share saves memory, it
     must not turn auto to lean's third GEMM."""
-    left = budget - fast_fixed_bytes(problem)
+    left = budget - fast_fixed_bytes(problem, needs_classifier, fused)
     per_row = fast_row_bytes(problem, fused)
     rows = max(0, left // per_row)
     if not needs_classifier and not problem.rounds_classifier:
         share = int(left * FROZEN_BUDGET_SHARE) // per_row
-        rows = max(share, min(rows, fast_floor_rows(problem, needs_classifier)))
+        rows = max(share, min(rows, fast_floor_rows(problem, needs_classifier, fused)))
     return max(0, min(FAST_CHUNK_ROWS, problem.rows, rows))
 
 
@@ -202,30 +217,31 @@ def skipping_pays(device_type: str, rows: int, vocab: int, dim: int) -> bool:
     return device_type != "cuda" or rows * vocab * dim >= MIN_SKIP_MACS
 
 
-def fast_floor_rows(problem: Problem, needs_classifier: bool) -> int:
+def fast_floor_rows(problem: Problem, needs_classifier: bool, fused: bool = False) -> int:
     """The fewest rows per chunk for which auto prefers fast (module docstring): the classifier
-    gradient's re-read per chunk scales with its element size (float32 under AMP)."""
+    gradient's re-read per chunk scales with the element size of what sums it (float32 under
+    AMP, or in ``sums_classifier_in_float32``'s buffer)."""
     if not needs_classifier:
         return MIN_FROZEN_FAST_ROWS
-    gradient_bytes = 4 if problem.rounds_classifier else problem.logit_bytes
+    in_float32 = problem.rounds_classifier or sums_classifier_in_float32(problem, True, fused)
+    gradient_bytes = 4 if in_float32 else problem.logit_bytes
     return MIN_FAST_ROWS * gradient_bytes // 4
 
 
-def narrow_head_keeps_lean(problem: Problem, needs_classifier: bool, fused: bool) -> bool:
-    """Below MIN_FAST_DIM on a GPU: are fast's chunks slower than lean (whole rows), or is its
-    classifier gradient summed in 2 bytes (less accurate than lean's)?"""
-    if problem.device_type != "cuda" or problem.dim >= MIN_FAST_DIM:
-        return False
-    return not fused or (needs_classifier and not problem.rounds_classifier)
+def narrow_head_keeps_lean(problem: Problem, fused: bool) -> bool:
+    """Below MIN_FAST_DIM on a GPU: are fast's chunks slower than lean (whole float32 rows)?"""
+    narrow = problem.device_type == "cuda" and problem.dim < MIN_FAST_DIM
+    return narrow and not fused
 
 
 def fast_fits(problem: Problem, needs_classifier: bool, budget: int, fused: bool = False) -> bool:
     """Does a fast-mode chunk that auto would accept fit the budget (module docstring), where
     a narrow head does not keep lean (``narrow_head_keeps_lean``)?"""
-    if narrow_head_keeps_lean(problem, needs_classifier, fused):
+    if narrow_head_keeps_lean(problem, fused):
         return False
     chunk = fast_chunk_rows(problem, budget, fused, needs_classifier)
-    return chunk > 0 and chunk >= min(fast_floor_rows(problem, needs_classifier), problem.rows)
+    floor = fast_floor_rows(problem, needs_classifier, fused)
+    return chunk > 0 and chunk >= min(floor, problem.rows)
 
 
 def fast_run_rows(
@@ -242,7 +258,7 @@ def fast_run_rows(
     allows, instead of taking ~the logits' size in 4096-row chunks."""
     chunk = max(
         fast_chunk_rows(problem, budget, fused, needs_classifier),
-        fast_floor_rows(problem, needs_classifier),
+        fast_floor_rows(problem, needs_classifier, fused),
     )
     return min(chunk, FAST_CHUNK_ROWS, max(problem.rows, 1))
 

@@ -254,16 +254,46 @@ def test_the_default_budget_takes_fast_for_a_trained_bf16_head_at_e_and_b():
         assert policy.fast_run_rows(problem, True, budget) * ROW <= budget
 
 
-def test_a_narrow_head_on_a_gpu_takes_lean_where_fast_sums_a_bf16_gradient_or_whole_rows():
-    """D < MIN_FAST_DIM (shape G): a bf16 classifier gradient summed over fused chunks is less
-    accurate than lean's, and whole float32 rows (float32 logits) are slower than lean."""
+def test_a_narrow_head_on_a_gpu_takes_lean_for_whole_float32_rows():
+    """D < MIN_FAST_DIM (shape G): fast's passes over float32 logits (a float32 compute dtype,
+    or softcap / entropy / argmax / a shard) are slower than lean's extra GEMM."""
     g = Problem(rows=16384, vocab=131072, dim=512, logit_bytes=2)
-    assert choose(problem=g) == "lean"
     assert choose(problem=dataclasses.replace(g, logit_bytes=4)) == "lean"
     assert choose(problem=dataclasses.replace(g, rounds_classifier=True), whole_rows=True) == "lean"
-    # a bf16 classifier beside a rounded (float32) hidden: its gradient is bf16 all the same
-    assert choose(problem=dataclasses.replace(g, rounds_hidden=True)) == "lean"
+    assert choose(problem=g, whole_rows=True) == "lean"
     assert choose(problem=dataclasses.replace(g, device_type="cpu")) == "fast"
+
+
+def test_a_narrow_head_sums_a_bf16_classifier_gradient_in_a_float32_buffer():
+    """D < MIN_FAST_DIM with a 2-byte classifier gradient (bf16 weights; or a bf16 classifier
+    beside a rounded hidden): the fused chunks' gradient is summed in a float32 buffer (V x D x
+    4, counted), whose re-read per chunk sets float32's floor; where the budget cannot hold the
+    buffer and a floor chunk, lean. At D >= MIN_FAST_DIM the gradient sums itself."""
+    fraction = cce_compile.config.Settings().memory_fraction
+    buffer = 131072 * 512 * 4
+    for g in (
+        Problem(rows=16384, vocab=131072, dim=512, logit_bytes=2),
+        Problem(16384, 131072, 512, 2, rounds_hidden=True),
+    ):
+        assert policy.sums_classifier_in_float32(g, True, fused=True)
+        assert policy.fast_fixed_bytes(g, True, fused=True) == buffer + policy.rounded_hidden_bytes(
+            g
+        )
+        assert policy.fast_floor_rows(g, True, fused=True) == MIN_FAST_ROWS
+        default = policy.budget_bytes(g, None, fraction)
+        assert choose(problem=g, budget=default) == "fast"
+        floor_chunk = MIN_FAST_ROWS * policy.fast_row_bytes(g, fused=True)
+        short = policy.fast_fixed_bytes(g, True, fused=True) + floor_chunk - 1
+        assert choose(problem=g, budget=short) == "lean"
+    g = Problem(rows=16384, vocab=131072, dim=512, logit_bytes=2)
+    assert not policy.sums_classifier_in_float32(g, True, fused=False)
+    assert not policy.sums_classifier_in_float32(g, False, fused=True)  # frozen: no gradient
+    assert not policy.sums_classifier_in_float32(dataclasses.replace(g, dim=1024), True, True)
+    amp = dataclasses.replace(g, rounds_hidden=True, rounds_classifier=True)
+    assert not policy.sums_classifier_in_float32(amp, True, fused=True)  # float32 already
+    assert not policy.sums_classifier_in_float32(
+        dataclasses.replace(g, device_type="cpu"), True, True
+    )
 
 
 @pytest.mark.parametrize(

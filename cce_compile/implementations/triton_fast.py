@@ -6,7 +6,9 @@ For each token chunk of ``n`` rows:
   logits' own memory -> d hidden[chunk] = grad @ classifier (written once) and d classifier +=
   grad.T @ hidden[chunk] into the classifier's gradient itself (its own dtype: float32 under
   AMP, bf16 for bf16 weights). The backward scales both by the upstream gradient in place
-  (``triton_shared.scale_``). Three GEMMs, the minimum, and no V x D tensor but the gradient.
+  (``triton_shared.scale_``). Three GEMMs, the minimum, and no V x D tensor but the gradient
+  (below D = 1024 a bf16 gradient is summed in a float32 buffer and rounded once:
+  ``policy.sums_classifier_in_float32``).
   Over a vocabulary shard (``SplitVocabulary``): ``chunk_row_stats``, the combine over the
   ranks, then ``chunk_softmax_grad`` with the whole vocabulary's lse.
 Fused (``policy.fast_fuses_exp``: a bf16 / fp16 gradient; not with softcap, entropy, argmax
@@ -106,11 +108,13 @@ class _FastBuffers:
         argmax: bool,
         split: bool = False,
         fused_tiles: TileConfig | None = None,
+        classifier_sum_dtype: torch.dtype | None = None,
     ):
         """Room for ``chunk`` positions' logits (``work``: hidden in the compute dtype);
         ``split``: hidden's gradient is a shard's float32 partial sum; ``fused_tiles``: the GEMM's
         tiles when it writes the scaled exponentials itself (``logits_exp``; None: whole
-        float32 rows)."""
+        float32 rows); ``classifier_sum_dtype``: what sums the classifier's gradient over the
+        chunks (default: the gradient itself, in the classifier's dtype)."""
         vocab, dim = head.classifier.shape
         device, n_positions = work.device, layout.n_positions
         rows = min(chunk, max(n_positions, 1))
@@ -134,11 +138,13 @@ class _FastBuffers:
             self.stage = torch.empty((rows, dim), dtype=torch.float32, device=device)
         # The classifier's gradient itself, in its dtype, accumulates the chunks (no separate
         # float32 buffer): float32 under AMP, exact; bf16 for bf16 weights, each chunk's float32
-        # product added in cuBLAS's epilogue and rounded once. Written, not accumulated, by the
-        # first chunk's GEMM (beta = 0): no zero fill, unless there is no chunk at all (no rows).
+        # product added in cuBLAS's epilogue and rounded once. Below D = 1024 a bf16 gradient
+        # is summed in float32 and rounded at the end (``policy.sums_classifier_in_float32``).
+        # Written, not accumulated, by the first chunk's GEMM (beta = 0): no zero fill, unless
+        # there is no chunk at all (no rows).
         alloc = torch.empty if n_positions else torch.zeros
         self.grad_classifier = (
-            alloc((vocab, dim), dtype=head.classifier.dtype, device=device)
+            alloc((vocab, dim), dtype=classifier_sum_dtype or head.classifier.dtype, device=device)
             if needs.classifier
             else None
         )
@@ -218,7 +224,7 @@ class _FastBuffers:
         out.argmax = shared.rows_of(layout, self.argmax)
         if self.grad_positions is not None:
             out.grad_hidden = shared.hidden_grad(self.grad_positions, layout, head.hidden)
-        out.grad_classifier = self.grad_classifier
+        out.grad_classifier = shared.rounded(head.classifier.dtype, self.grad_classifier)
         out.grad_bias = None if self.grad_bias is None else self.grad_bias.to(head.bias.dtype)
         return out
 
@@ -265,6 +271,7 @@ def fast_forward(
         # which sees no strides.
         classifier = classifier.contiguous()
     chunk = policy.fast_run_rows(problem, needs.classifier, head.budget_bytes, fused)
+    in_float32 = policy.sums_classifier_in_float32(problem, needs.classifier, fused)
     targets = _PositionCoefficients.targets_of(head, rows, layout, split)
     positions = layout.positions()
     out = _FastBuffers(
@@ -277,6 +284,7 @@ def fast_forward(
         argmax=argmax,
         split=bool(split),
         fused_tiles=shared.fused_config_of(head, positions, classifier) if fused else None,
+        classifier_sum_dtype=torch.float32 if in_float32 else None,
     )
     static_args = dict(
         class_weights=head.class_weights,

@@ -295,6 +295,36 @@ def test_fast_mode_with_exponentials_from_the_gemm_in_half_width(monkeypatch, dt
     run_and_compare(to_device(case), mode="fast")
 
 
+@pytest.mark.parametrize(
+    "min_fast_dim, summed_in",
+    [(1024, torch.float32), (16, torch.bfloat16)],
+    ids=["narrow-float32-buffer", "wide-the-gradient-itself"],
+)
+def test_fused_chunks_sum_a_bf16_classifier_gradient_in_float32_below_min_fast_dim(
+    monkeypatch, min_fast_dim, summed_in
+):
+    """Below policy.MIN_FAST_DIM the chunks' bf16 classifier gradient is summed in a float32
+    buffer and rounded once at the end (summed in bf16 it had 1.35x compile's error at G);
+    from it on the gradient sums itself. Both against the oracle, in bf16 as returned."""
+    from cce_compile import policy
+    from cce_compile.implementations import triton_shared
+
+    summed = []
+    real_addmm = triton_shared.addmm_
+    monkeypatch.setattr(
+        triton_shared,
+        "addmm_",
+        lambda acc, *a, **k: summed.append(acc.dtype) or real_addmm(acc, *a, **k),
+    )
+    monkeypatch.setattr(triton_shared, "work_dtype", lambda tensor: tensor.dtype)
+    monkeypatch.setattr(policy, "fast_fuses_exp", lambda *args: True)
+    monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
+    monkeypatch.setattr(policy, "MIN_FAST_DIM", min_fast_dim)
+    case = build_case(leading=(4, 7), dim=18, vocab=45, dtype=torch.bfloat16, seed=13)
+    run_and_compare(to_device(case), mode="fast")
+    assert len(summed) > 2 and set(summed) == {summed_in}
+
+
 @pytest.mark.parametrize("form", ["lean", "fast", "fused"])
 @pytest.mark.parametrize("shift", [0, 1])
 def test_sequences_apart_in_memory_leave_the_gaps_unread(monkeypatch, form, shift):
