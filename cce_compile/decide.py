@@ -331,7 +331,8 @@ def problem_of(
     rows = (math.prod(leading) // max(leading[-1], 1)) * (leading[-1] - shift) if leading else 1
     rounds = policy.rounding(compute, hidden.dtype, classifier.dtype)
     shape = (classifier.shape[0] if vocab is None else vocab, classifier.shape[1])
-    return policy.problem(rows, shape, compute or hidden.dtype, rounds, hidden.device.type)
+    float16 = torch.float16 in (hidden.dtype, classifier.dtype)
+    return policy.problem(rows, shape, compute or hidden.dtype, rounds, hidden.device.type, float16)
 
 
 def shard_vocab(vocab_size: int, ranks: int) -> int:

@@ -113,16 +113,25 @@ class Problem:
     rounds_hidden: bool = False
     rounds_classifier: bool = False
     device_type: str = "cuda"  # where it runs: the GPU's rules differ from the CPU path's
+    # hidden or the classifier is float16, and so is its gradient: fast mode would round it
+    # for a unit upstream gradient, before the real one scales it (``choose_mode``)
+    float16_gradients: bool = False
 
 
 def problem(
-    rows: int, classifier_shape, logit_dtype, rounding: tuple[bool, bool], device: str
+    rows: int,
+    classifier_shape,
+    logit_dtype,
+    rounding: tuple[bool, bool],
+    device: str,
+    float16_gradients: bool = False,
 ) -> Problem:
     """The one constructor of a ``Problem``: a call's loss rows (or the positions its kernels
     read), the (V, D) of its classifier, the ``torch.dtype`` of its logits (the GEMMs'), which
-    of hidden and the classifier it rounds to that dtype (``rounding``), and where it runs."""
+    of hidden and the classifier it rounds to that dtype (``rounding``), where it runs, and
+    whether hidden or the classifier is float16 (``float16_gradients``)."""
     vocab, dim = classifier_shape
-    return Problem(rows, vocab, dim, logit_dtype.itemsize, *rounding, device)
+    return Problem(rows, vocab, dim, logit_dtype.itemsize, *rounding, device, float16_gradients)
 
 
 def rounding(compute_dtype, hidden_dtype, classifier_dtype) -> tuple[bool, bool]:
@@ -292,6 +301,27 @@ def cpu_chunk_rows(vocab: int, budget: int) -> int:
     return max(1, budget // (vocab * 4 * 3))
 
 
+# Fast mode computes the gradients in the forward, for a unit upstream gradient, and the backward
+# scales them by the real one: a float16 gradient is rounded before that scale, so a sum later
+# divided by the token count overflows (a float32 sum over 65504) and a loss scaler's small
+# gradients flush to zero before its 2^16 could lift them (break run, session 19). bf16 has
+# float32's range. Lean mode computes them in the backward, with the upstream gradient, as
+# PyTorch does.
+FLOAT16_FAST = (
+    "mode='fast' with float16 hidden or classifier computes their float16 gradients before the "
+    "upstream gradient scales them: they overflow or underflow under loss scaling or a "
+    "normalised sum. Use mode='lean' (or 'auto', which picks it), or bf16."
+)
+_float16_logged = []
+
+
+def _log_float16_once() -> None:
+    """Tell once that a configured fast mode runs lean for float16 gradients."""
+    if not _float16_logged:
+        _float16_logged.append(True)
+        log.warning("CCE_MODE=fast: %s Running those calls in lean mode.", FLOAT16_FAST)
+
+
 def choose_mode(
     requested: str,
     *,
@@ -315,9 +345,14 @@ def choose_mode(
             raise ValueError("mode='fast' needs reduction 'mean' or 'sum' (got 'none')")
         log.debug("mode 'fast' needs a scalar loss; using 'lean' for reduction='none'")
         return "lean"
+    if requested == "fast" and needs_grad and problem.float16_gradients:
+        if explicit:
+            raise ValueError(FLOAT16_FAST)
+        _log_float16_once()
+        return "lean"
     if requested in ("lean", "fast"):
         return requested
-    if not needs_grad or reduction == "none" or lse_has_grad:
+    if not needs_grad or reduction == "none" or lse_has_grad or problem.float16_gradients:
         return "lean"
     fused = fast_fuses_exp(problem, whole_rows)
     return "fast" if fast_fits(problem, needs_classifier, budget, fused) else "lean"

@@ -15,6 +15,12 @@ import cce_compile
 lce = cce_compile.linear_cross_entropy
 
 
+def refuses_float16_fast(case) -> bool:
+    """Does an explicit mode='fast' refuse this case (float16 gradients: policy.FLOAT16_FAST)?"""
+    float16 = torch.float16 in (case.hidden.dtype, case.classifier.dtype)
+    return float16 and any(t.requires_grad for t in case.leaves())
+
+
 def run_and_compare(case, *, mode="auto", return_lse=False, grads="all", seed=0, loss_rtol=None):
     """Run the op and the oracle with the same upstream gradients and compare everything."""
     dtype = case.hidden.dtype
@@ -28,6 +34,10 @@ def run_and_compare(case, *, mode="auto", return_lse=False, grads="all", seed=0,
     for tensor, flag in zip((case.hidden, case.classifier, case.bias), wanted):
         if tensor is not None:
             tensor.requires_grad_(flag)
+    if mode == "fast" and refuses_float16_fast(case):
+        with pytest.raises(ValueError, match="float16 gradients"):
+            lce(case.hidden, case.classifier, case.targets, case.bias, mode=mode, **case.options())
+        mode = "lean"  # what auto takes for them: compared below
     ours = lce(
         case.hidden,
         case.classifier,

@@ -386,3 +386,40 @@ def test_a_rounded_operand_costs_only_what_it_makes():
     assert choose(problem=both, budget=budget) == "lean"
     assert choose(problem=classifier_only, budget=budget) == "fast"
     assert choose(problem=hidden_only, budget=budget) == "fast"
+
+
+def test_float16_gradients_keep_lean_and_refuse_an_explicit_fast():
+    """Fast mode rounds its gradients for a unit upstream gradient, before the real one scales
+    them: float16 ones overflow (a sum later divided) or flush to zero (a loss scaler's small
+    gradients) where PyTorch's do not (break run, session 19). Auto takes lean; an explicit
+    'fast' is an error naming the mode; a configured one runs lean; without gradients fast is
+    as exact as ever."""
+    g16 = dataclasses.replace(E, float16_gradients=True)
+    assert choose(problem=g16) == "lean"
+    with pytest.raises(ValueError, match="mode='fast' with float16"):
+        choose("fast", problem=g16, explicit=True)
+    assert choose("fast", problem=g16) == "lean"
+    assert choose("fast", problem=g16, explicit=True, needs_grad=False) == "fast"
+    assert choose(problem=E) == "fast"
+
+
+@pytest.mark.parametrize(
+    "hidden, classifier, compute, float16",
+    [
+        ("float16", "float16", None, True),
+        ("float32", "float16", "float16", True),
+        ("float32", "float32", "float16", False),
+        ("bfloat16", "bfloat16", None, False),
+    ],
+    ids=["fp16", "fp16-classifier-under-autocast", "float32-under-fp16-autocast", "bf16"],
+)
+def test_float16_gradients_are_those_of_float16_inputs(hidden, classifier, compute, float16):
+    """Gradients come in their inputs' dtypes: float16 inputs, not a float16 compute dtype."""
+    import torch
+
+    from cce_compile import decide
+
+    h = torch.zeros(2, 3, 8, dtype=getattr(torch, hidden))
+    w = torch.zeros(5, 8, dtype=getattr(torch, classifier))
+    compute = compute and getattr(torch, compute)
+    assert decide.problem_of(h, w, 0, compute).float16_gradients is float16

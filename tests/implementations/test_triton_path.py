@@ -280,10 +280,12 @@ def test_fast_mode_with_exponentials_from_the_gemm_of_a_transposed_classifier(mo
     assert chunks, "the fused path must have run"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
 def test_fast_mode_with_exponentials_from_the_gemm_in_half_width(monkeypatch, dtype):
-    """The GPU's form: bf16 / fp16 operands and scaled exponentials (the interpreter's buffers
-    are otherwise float32), every option, against the oracle of the rounded inputs."""
+    """The GPU's form: bf16 operands and scaled exponentials (the interpreter's buffers are
+    otherwise float32), every option, against the oracle of the rounded inputs. (float16
+    operands have float16 gradients, which fast mode refuses: policy.FLOAT16_FAST; the next
+    test runs float16 exponentials under autocast.)"""
     from cce_compile import policy
     from cce_compile.implementations import triton_shared
 
@@ -293,6 +295,35 @@ def test_fast_mode_with_exponentials_from_the_gemm_in_half_width(monkeypatch, dt
     options = FUSED_FAST["every_option"]
     case = build_case(leading=(4, 7), dim=18, vocab=45, dtype=dtype, scale=4.0, seed=13, **options)
     run_and_compare(to_device(case), mode="fast")
+
+
+def test_fast_mode_with_float16_exponentials_under_autocast(monkeypatch):
+    """float32 weights and hidden under a float16 compute dtype (autocast's form): their
+    gradients are float32, so fast mode applies, with float16 scaled exponentials from the
+    GEMM; against the float64 oracle of the rounded inputs at float16's tolerances."""
+    from oracle import gradient_scale, loss_scale
+
+    from cce_compile import policy
+    from cce_compile.implementations import triton_shared
+
+    monkeypatch.setattr(triton_shared, "work_dtype", lambda tensor: tensor.dtype)
+    monkeypatch.setattr(policy, "fast_fuses_exp", lambda *args: True)
+    monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
+    case = to_device(build_case(leading=(4, 7), dim=18, vocab=45, dtype=torch.float16, seed=13))
+    leaves = [case.hidden.requires_grad_(), case.classifier.requires_grad_()]
+    ours_leaves = [t.detach().float().requires_grad_() for t in leaves]
+    with torch.autocast(DEVICE, dtype=torch.float16):
+        ours = cce_compile.linear_cross_entropy(
+            *ours_leaves, case.targets, mode="fast", **case.options()
+        )
+    expected = oracle(case)
+    assert_close("loss", ours, expected, LOSS_RTOL_ROUNDED_LOGITS[torch.float16], loss_scale(case))
+    got = torch.autograd.grad(ours, ours_leaves)
+    want = torch.autograd.grad(expected, leaves)
+    scales = gradient_scale(case, torch.ones((), dtype=torch.float64), None, leaves)
+    for name, g, w, scale in zip(("hidden", "classifier"), got, want, scales):
+        assert g.dtype == torch.float32
+        assert_close(name, g, w, GRAD_RTOL[torch.float16], scale)
 
 
 @pytest.mark.parametrize(
