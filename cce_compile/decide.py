@@ -331,8 +331,14 @@ def problem_of(
     rows = (math.prod(leading) // max(leading[-1], 1)) * (leading[-1] - shift) if leading else 1
     rounds = policy.rounding(compute, hidden.dtype, classifier.dtype)
     shape = (classifier.shape[0] if vocab is None else vocab, classifier.shape[1])
-    float16 = torch.float16 in (hidden.dtype, classifier.dtype)
+    float16 = float16_gradients(hidden, classifier)
     return policy.problem(rows, shape, compute or hidden.dtype, rounds, hidden.device.type, float16)
+
+
+def float16_gradients(hidden: Tensor, classifier: Tensor) -> bool:
+    """Are hidden's or the classifier's gradients float16 (``policy.Problem``'s flag)? They come
+    in their inputs' dtypes, whatever the compute dtype."""
+    return torch.float16 in (hidden.dtype, classifier.dtype)
 
 
 def shard_vocab(vocab_size: int, ranks: int) -> int:

@@ -351,5 +351,6 @@ def _site_mode(site: TensorParallelSite, needs: dict[str, bool]) -> str:
         site.compute_dtype,
         policy.rounding(site.compute_dtype, hidden.dtype, classifier.dtype),
         hidden.device.type,
+        decide.float16_gradients(hidden, classifier),
     )
     return decide.mode(None, problem, needs, reduction=site.reduction, split=True)

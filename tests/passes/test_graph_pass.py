@@ -134,6 +134,28 @@ def test_warm_cache_compiled_under_another_budget_is_not_replayed(monkeypatch):
     assert modes == ["lean", "fast", "lean"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_a_float16_site_runs_lean_where_auto_would_take_fast(monkeypatch, dtype):
+    """The pass decides a site's mode on its example values: float16 gradients keep lean
+    (``policy.FLOAT16_FAST``: fast rounds them before the upstream gradient scales them, and a
+    sum divided later overflowed in a compiled float16 model), where bf16's take fast."""
+    from cce_compile.op import dispatch
+
+    modes = []
+    real_forward = dispatch.forward
+    monkeypatch.setattr(
+        dispatch, "forward", lambda args: modes.append(args.mode) or real_forward(args)
+    )
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 300, 64, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(4096, 64, generator=gen).to(dtype).requires_grad_()
+    y = torch.randint(0, 4096, (2, 300), generator=gen)
+    with hook_enabled(), config.override(mode="auto", memory_budget_mb=4096):
+        torch._dynamo.reset()
+        torch.compile(loss)(x, w, y).backward()
+    assert modes == ["lean" if dtype == torch.float16 else "fast"]
+
+
 def test_idempotent_and_no_new_placeholders():
     x, w, y = small_inputs()
     gm, example_inputs = dynamo_graph(loss, (x, w, y))
