@@ -156,13 +156,17 @@ def rounded_hidden_bytes(problem: Problem) -> int:
     return problem.rows * problem.dim * problem.logit_bytes if problem.rounds_hidden else 0
 
 
+def narrow_head(problem: Problem) -> bool:
+    """Is this a GPU call below ``MIN_FAST_DIM``?"""
+    return problem.device_type == "cuda" and problem.dim < MIN_FAST_DIM
+
+
 def sums_classifier_in_float32(problem: Problem, needs_classifier: bool, fused: bool) -> bool:
     """Does a fast run sum a 2-byte classifier gradient in a float32 buffer of its own (V x D x
     4, rounded once at the end)? Below MIN_FAST_DIM on a GPU: there the 2-byte sum over the
     chunks had 1.35-1.58x compile's error (lean: compile's), and the buffer is small (2 D / N of
     the logits' size: at G 256 MiB, ~1/3 of the default budget)."""
-    narrow = problem.device_type == "cuda" and problem.dim < MIN_FAST_DIM
-    return narrow and fused and needs_classifier and not problem.rounds_classifier
+    return narrow_head(problem) and fused and needs_classifier and not problem.rounds_classifier
 
 
 def fast_fixed_bytes(problem: Problem, needs_classifier: bool = True, fused: bool = False) -> int:
@@ -239,8 +243,7 @@ def fast_floor_rows(problem: Problem, needs_classifier: bool, fused: bool = Fals
 
 def narrow_head_keeps_lean(problem: Problem, fused: bool) -> bool:
     """Below MIN_FAST_DIM on a GPU: are fast's chunks slower than lean (whole float32 rows)?"""
-    narrow = problem.device_type == "cuda" and problem.dim < MIN_FAST_DIM
-    return narrow and not fused
+    return narrow_head(problem) and not fused
 
 
 def fast_fits(problem: Problem, needs_classifier: bool, budget: int, fused: bool = False) -> bool:
