@@ -284,19 +284,25 @@ def markdown(results):
     return "\n".join(lines)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--variants", default="compile,cce,cce_lean")
-    parser.add_argument("--layers", type=int, default=4)
+def add_step_arguments(parser, *, variants: str, layers: int, batch: int) -> None:
+    """The model and step options (``build_model``, ``batch``, ``_training``), with these
+    defaults; e2e_profile.py shares them."""
+    parser.add_argument("--variants", default=variants)
+    parser.add_argument("--layers", type=int, default=layers)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=5632)
     parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=batch)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--labels", choices=("all", "sft50"), default="all")
     parser.add_argument("--lora", action="store_true")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_step_arguments(parser, variants="compile,cce,cce_lean", layers=4, batch=8)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--cap-gib", type=float, default=None)
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--out", default="bench/results/e2e")

@@ -157,21 +157,12 @@ def markdown(results: dict, args) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="compile,cce")
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=5632)
-    parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--warmup", type=int, default=3)
+    e2e_llama.add_step_arguments(parser, variants="compile,cce", layers=16, batch=4)
     parser.add_argument("--timed", type=int, default=6)
     parser.add_argument("--steps", type=int, default=2, help="steps under the profiler")
-    parser.add_argument("--labels", choices=("all", "sft50"), default="all")
-    parser.add_argument("--lora", action="store_true")
     parser.add_argument("--out", default="bench/results/e2e_profile")
     args = parser.parse_args(argv)
-    args.cap_gib = None  # e2e_llama._training reads it
+    args.cap_gib = None  # e2e_llama._training reads it: no allocator cap here
     results = {name: profile_variant(name, args) for name in args.variants.split(",")}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
