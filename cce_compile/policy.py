@@ -40,6 +40,7 @@ while lean pays a third GEMM: ``MIN_FROZEN_FAST_ROWS``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 log = logging.getLogger("cce_compile")
@@ -315,14 +316,12 @@ FLOAT16_FAST = (
     "upstream gradient scales them: they overflow or underflow under loss scaling or a "
     "normalised sum. Use mode='lean' (or 'auto', which picks it), or bf16."
 )
-_float16_logged = []
 
 
+@functools.cache
 def _log_float16_once() -> None:
     """Tell once that a configured fast mode runs lean for float16 gradients."""
-    if not _float16_logged:
-        _float16_logged.append(True)
-        log.warning("CCE_MODE=fast: %s Running those calls in lean mode.", FLOAT16_FAST)
+    log.warning("CCE_MODE=fast: %s Running those calls in lean mode.", FLOAT16_FAST)
 
 
 def choose_mode(
