@@ -331,14 +331,7 @@ def problem_of(
     rows = (math.prod(leading) // max(leading[-1], 1)) * (leading[-1] - shift) if leading else 1
     rounds = policy.rounding(compute, hidden.dtype, classifier.dtype)
     shape = (classifier.shape[0] if vocab is None else vocab, classifier.shape[1])
-    float16 = float16_gradients(hidden, classifier)
-    return policy.problem(rows, shape, compute or hidden.dtype, rounds, hidden.device.type, float16)
-
-
-def float16_gradients(hidden: Tensor, classifier: Tensor) -> bool:
-    """Are hidden's or the classifier's gradients float16 (``policy.Problem``'s flag)? They come
-    in their inputs' dtypes, whatever the compute dtype."""
-    return torch.float16 in (hidden.dtype, classifier.dtype)
+    return policy.problem(rows, shape, compute or hidden.dtype, rounds, hidden.device.type)
 
 
 def shard_vocab(vocab_size: int, ranks: int) -> int:
@@ -360,6 +353,7 @@ def mode(
     problem: policy.Problem,
     needs: dict[str, bool],
     *,
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype | None],
     reduction: str,
     grad_filter: float | None = None,
     lse_has_grad: bool = False,
@@ -373,7 +367,8 @@ def mode(
     gradient filtering, else the policy's choice for the gradients ``needs`` asks for (the op's
     grad flags, ``gradients_asked``); ``softcap`` ... ``split``: what a fast run would compute
     (a softcap, the entropy, the argmax, over a vocabulary shard), which sets its chunks'
-    form (``policy.fast_needs_whole_rows``)."""
+    form (``policy.fast_needs_whole_rows``). ``dtypes``: hidden's, the classifier's and the
+    bias's (None without one), the dtypes of their gradients."""
     explicit = requested is not None
     requested = "lean" if grad_filter is not None else requested or config.get().mode
     return policy.choose_mode(
@@ -388,7 +383,21 @@ def mode(
         whole_rows=policy.fast_needs_whole_rows(
             softcap=softcap, entropy=entropy, argmax=argmax, split=split
         ),
+        float16_gradients=_float16_gradients(needs, dtypes),
     )
+
+
+def _float16_gradients(needs: dict[str, bool], dtypes: tuple) -> bool:
+    """Is a gradient the call returns float16 (``policy.FLOAT16_FAST``)? Each comes in its
+    input's dtype, whatever the compute dtype."""
+    flags = ("grad_hidden", "grad_classifier", "grad_bias")
+    return any(needs[flag] and dtype == torch.float16 for flag, dtype in zip(flags, dtypes))
+
+
+def operand_dtypes(hidden, classifier, bias) -> tuple:
+    """``mode``'s ``dtypes`` of a call's hidden, classifier and bias (tensors or example
+    values; bias may be None)."""
+    return hidden.dtype, classifier.dtype, None if bias is None else bias.dtype
 
 
 def gradients_asked(hidden: Tensor, classifier: Tensor, bias: Tensor | None) -> dict[str, bool]:

@@ -143,6 +143,7 @@ def _call_op(tensors, compute_dtype, spec: LossSpec, wanted: _Wanted, mode, grad
         mode,
         decide.problem_of(hidden, classifier, spec.shift, compute_dtype),
         needs,
+        dtypes=decide.operand_dtypes(hidden, classifier, bias),
         reduction=spec.reduction,
         grad_filter=grad_filter,
         lse_has_grad=wanted.lse and torch.is_grad_enabled(),

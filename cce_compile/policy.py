@@ -114,25 +114,16 @@ class Problem:
     rounds_hidden: bool = False
     rounds_classifier: bool = False
     device_type: str = "cuda"  # where it runs: the GPU's rules differ from the CPU path's
-    # hidden or the classifier is float16, and so is its gradient: fast mode would round it
-    # for a unit upstream gradient, before the real one scales it (``choose_mode``)
-    float16_gradients: bool = False
 
 
 def problem(
-    rows: int,
-    classifier_shape,
-    logit_dtype,
-    rounding: tuple[bool, bool],
-    device: str,
-    float16_gradients: bool = False,
+    rows: int, classifier_shape, logit_dtype, rounding: tuple[bool, bool], device: str
 ) -> Problem:
     """The one constructor of a ``Problem``: a call's loss rows (or the positions its kernels
     read), the (V, D) of its classifier, the ``torch.dtype`` of its logits (the GEMMs'), which
-    of hidden and the classifier it rounds to that dtype (``rounding``), where it runs, and
-    whether hidden or the classifier is float16 (``float16_gradients``)."""
+    of hidden and the classifier it rounds to that dtype (``rounding``), and where it runs."""
     vocab, dim = classifier_shape
-    return Problem(rows, vocab, dim, logit_dtype.itemsize, *rounding, device, float16_gradients)
+    return Problem(rows, vocab, dim, logit_dtype.itemsize, *rounding, device)
 
 
 def rounding(compute_dtype, hidden_dtype, classifier_dtype) -> tuple[bool, bool]:
@@ -312,7 +303,7 @@ def cpu_chunk_rows(vocab: int, budget: int) -> int:
 # float32's range. Lean mode computes them in the backward, with the upstream gradient, as
 # PyTorch does.
 FLOAT16_FAST = (
-    "mode='fast' with float16 hidden or classifier computes their float16 gradients before the "
+    "mode='fast' computes float16 gradients (of a float16 hidden, classifier or bias) before the "
     "upstream gradient scales them: they overflow or underflow under loss scaling or a "
     "normalised sum. Use mode='lean' (or 'auto', which picks it), or bf16."
 )
@@ -335,26 +326,28 @@ def choose_mode(
     budget: int,
     explicit: bool = False,
     whole_rows: bool = False,
+    float16_gradients: bool = False,
 ) -> str:
     """The concrete mode ('lean' or 'fast') for one call.
 
     ``explicit`` marks a mode the caller passed as an argument: asking for 'fast' where it
     cannot apply is then an error rather than a quiet fall-back to 'lean'. ``whole_rows``:
     a fast run would need whole float32 rows (``fast_needs_whole_rows``).
+    ``float16_gradients``: a gradient the call returns is float16 (``FLOAT16_FAST``).
     """
     if requested == "fast" and reduction == "none":
         if explicit:
             raise ValueError("mode='fast' needs reduction 'mean' or 'sum' (got 'none')")
         log.debug("mode 'fast' needs a scalar loss; using 'lean' for reduction='none'")
         return "lean"
-    if requested == "fast" and needs_grad and problem.float16_gradients:
+    if requested == "fast" and float16_gradients:
         if explicit:
             raise ValueError(FLOAT16_FAST)
         _log_float16_once()
         return "lean"
     if requested in ("lean", "fast"):
         return requested
-    if not needs_grad or reduction == "none" or lse_has_grad or problem.float16_gradients:
+    if not needs_grad or reduction == "none" or lse_has_grad or float16_gradients:
         return "lean"
     fused = fast_fuses_exp(problem, whole_rows)
     return "fast" if fast_fits(problem, needs_classifier, budget, fused) else "lean"

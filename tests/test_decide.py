@@ -155,7 +155,10 @@ def test_problem_of_tensors_is_the_problem_of_their_sizes():
 
 def test_mode_explicit_fast_without_a_scalar_loss_is_an_error_and_filtering_takes_lean():
     problem = policy.problem(4096, (32000, 2048), torch.bfloat16, (False, False), "cuda")
-    call = dict(needs=dict(grad_hidden=True, grad_classifier=True, grad_bias=False))
+    call = dict(
+        needs=dict(grad_hidden=True, grad_classifier=True, grad_bias=False),
+        dtypes=(torch.bfloat16, torch.bfloat16, None),
+    )
     with pytest.raises(ValueError, match="mode='fast' needs reduction"):
         decide.mode("fast", problem, grad_filter=None, reduction="none", **call)
     assert decide.mode("fast", problem, grad_filter=0.01, reduction="mean", **call) == "lean"
@@ -174,7 +177,10 @@ def test_mode_sizes_fast_chunks_by_the_form_the_call_takes(flag):
     floor = policy.fast_floor_rows(problem, True)
     megabytes = floor * policy.fast_row_bytes(problem, fused=True) // 2**20 + 1
     assert megabytes * 2**20 < floor * policy.fast_row_bytes(problem)
-    call = dict(needs=dict(grad_hidden=True, grad_classifier=True, grad_bias=False))
+    call = dict(
+        needs=dict(grad_hidden=True, grad_classifier=True, grad_bias=False),
+        dtypes=(torch.bfloat16, torch.bfloat16, None),
+    )
     with config.override(memory_budget_mb=megabytes, mode="auto"):
         assert decide.mode(None, problem, reduction="mean", **call) == "fast"
         assert decide.mode(None, problem, reduction="mean", **call, **{flag: True}) == "lean"

@@ -392,39 +392,51 @@ def test_float16_gradients_keep_lean_and_refuse_an_explicit_fast(caplog):
     """Fast mode rounds its gradients for a unit upstream gradient, before the real one scales
     them: float16 ones overflow (a sum later divided) or flush to zero (a loss scaler's small
     gradients) where PyTorch's do not (break run, session 19). Auto takes lean; an explicit
-    'fast' is an error naming the mode; a configured one runs lean; without gradients fast is
-    as exact as ever."""
-    g16 = dataclasses.replace(E, float16_gradients=True)
-    assert choose(problem=g16) == "lean"
-    with pytest.raises(ValueError, match="mode='fast' with float16"):
-        choose("fast", problem=g16, explicit=True)
+    'fast' is an error naming the mode; a configured one runs lean and says so once."""
+    with pytest.raises(ValueError, match="mode='fast' computes float16 gradients"):
+        choose("fast", explicit=True, float16_gradients=True)
+    assert choose(float16_gradients=True) == "lean"
     policy._log_float16_once.cache_clear()
     with caplog.at_level("WARNING", logger="cce_compile"):
-        assert choose("fast", problem=g16) == "lean"
-        assert choose("fast", problem=g16) == "lean"
+        assert choose("fast", float16_gradients=True) == "lean"
+        assert choose("fast", float16_gradients=True) == "lean"
     told = [r for r in caplog.records if "float16" in r.getMessage()]
     assert len(told) == 1 and "CCE_MODE=fast" in told[0].getMessage()
-    assert choose("fast", problem=g16, explicit=True, needs_grad=False) == "fast"
-    assert choose(problem=E) == "fast"
+    assert choose() == "fast"
 
 
 @pytest.mark.parametrize(
-    "hidden, classifier, compute, float16",
+    "dtypes, needs, float16",
     [
-        ("float16", "float16", None, True),
-        ("float32", "float16", "float16", True),
-        ("float32", "float32", "float16", False),
-        ("bfloat16", "bfloat16", None, False),
+        (("float16", "float16", None), (True, True, False), True),
+        (("float32", "float16", None), (True, True, False), True),
+        (("float32", "float32", "float16"), (True, True, True), True),
+        (("float32", "float32", "float16"), (True, True, False), False),
+        (("float16", "float32", None), (False, True, False), False),
+        (("float32", "float32", None), (True, True, False), False),
+        (("bfloat16", "bfloat16", "bfloat16"), (True, True, True), False),
     ],
-    ids=["fp16", "fp16-classifier-under-autocast", "float32-under-fp16-autocast", "bf16"],
+    ids=[
+        "fp16",
+        "fp16-classifier",
+        "fp16-bias",
+        "fp16-bias-frozen",
+        "frozen-fp16-hidden",
+        "float32-under-fp16-autocast",
+        "bf16",
+    ],
 )
-def test_float16_gradients_are_those_of_float16_inputs(hidden, classifier, compute, float16):
-    """Gradients come in their inputs' dtypes: float16 inputs, not a float16 compute dtype."""
+def test_float16_gradients_are_those_asked_of_float16_inputs(dtypes, needs, float16):
+    """A gradient comes in its input's dtype, whatever the compute dtype: float16 where a
+    float16 hidden, classifier or bias needs one (break runs: a float16 bias under a loss
+    scaler flushed to zero; frozen float16 features refused fast for a float32 gradient)."""
     import torch
 
     from cce_compile import decide
 
-    h = torch.zeros(2, 3, 8, dtype=getattr(torch, hidden))
-    w = torch.zeros(5, 8, dtype=getattr(torch, classifier))
-    compute = compute and getattr(torch, compute)
-    assert decide.problem_of(h, w, 0, compute).float16_gradients is float16
+    problem = policy.problem(8192, (128256, 4096), torch.bfloat16, (False, False), "cuda")
+    flags = dict(zip(("grad_hidden", "grad_classifier", "grad_bias"), needs))
+    dtypes = tuple(None if d is None else getattr(torch, d) for d in dtypes)
+    with cce_compile.config.override(mode="auto", memory_budget_mb=4096):
+        chosen = decide.mode(None, problem, flags, dtypes=dtypes, reduction="mean")
+    assert chosen == ("lean" if float16 else "fast")

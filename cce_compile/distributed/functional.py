@@ -127,6 +127,7 @@ def _call_op(tensors, spec, shard: sharding.VocabShard, mode: str | None, flags)
         mode,
         decide.problem_of(hidden, classifier, spec.shift, compute_dtype, vocab=share),
         needs,
+        dtypes=decide.operand_dtypes(hidden, classifier, bias),
         reduction=spec.reduction,
         lse_has_grad=return_lse and torch.is_grad_enabled(),
         split=True,

@@ -301,12 +301,13 @@ def choose_site_mode(site: PlainSite, needs: tuple[bool, bool, bool]) -> str:
     rounds = policy.rounding(site.compute_dtype, *(t.dtype for t in operands))
     rows = p.size_hint(site.rows) or 1
     device = operands[0].device.type
-    float16 = decide.float16_gradients(*operands)
-    problem = policy.problem(rows, (vocab, dim), site.compute_dtype, rounds, device, float16)
+    problem = policy.problem(rows, (vocab, dim), site.compute_dtype, rounds, device)
+    bias = None if site.bias is None else p.tensor_value(site.bias)
     return decide.mode(
         None,
         problem,
         dict(zip(GRAD_FLAGS, needs)),
+        dtypes=decide.operand_dtypes(*operands, bias),
         reduction=site.reduction,
         grad_filter=site_grad_filter(site),
         lse_has_grad=bool(site.lse_users),
