@@ -18,10 +18,10 @@ setting cannot be scoped to our compiles: a backend's ``backend_ctx_ctor`` is dr
 ``torch.compile``'s wrapper, and compile callbacks are cleared by ``torch._dynamo.reset()``).
 To keep those warnings under compile, remove them from the set after importing cce_compile.
 
-On torch 2.11 a non-empty set makes Dynamo's compilation-metrics record fail (its config dump
-sorts and serialises the set of functions: a TypeError); compiling is unaffected, the error
-record it logs is filtered out here, and those frames' metrics are lost (explain() then cannot
-list skipped frames or breaks that produced no graph).
+On torch 2.11 a set of two or more functions makes Dynamo's metrics records fail, the
+compilation's and the runtime's (its config dump sorts the set: a TypeError); compiling is
+unaffected, the error records it logs are filtered out here, and those frames' metrics are lost
+(explain() then cannot list skipped frames or breaks that produced no graph).
 """
 
 from __future__ import annotations
@@ -89,14 +89,18 @@ def _hook_library_import() -> None:
         sys.meta_path.insert(0, _AfterLibraryLogging())
 
 
+_METRICS_RECORDS = ("logging compilation metrics", "logging runtime metrics")
+
+
 class _MetricsSerialisationNoise(logging.Filter):
-    """Drops torch 2.11's 'Unexpected exception logging compilation metrics' record that the
-    functions in the ignore set cause (its config dump sorts and serialises the set: a
-    TypeError), and only that."""
+    """Drops torch 2.11's 'Unexpected exception logging compilation metrics' and '... runtime
+    metrics' records that the functions in the ignore set cause (its config dump sorts and
+    serialises the set: a TypeError), and only those."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        return not ("compilation metrics" in str(record.msg) and isinstance(error, TypeError))
+        about_metrics = any(text in str(record.msg) for text in _METRICS_RECORDS)
+        return not (about_metrics and isinstance(error, TypeError))
 
 
 def install() -> None:

@@ -125,6 +125,28 @@ def test_transformers_imported_after_the_backend_and_a_reset():
     assert done.stdout.strip().splitlines()[-1] == "True", done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("metrics", ["compilation", "runtime"])
+def test_metrics_records_of_the_ignore_set_are_dropped(metrics):
+    """torch 2.11's metrics records fail on a set of functions (a TypeError, logged with a
+    traceback on every compile and run): both records are dropped, and nothing else is."""
+    import logging
+
+    from cce_compile.passes import tracing
+
+    noise = tracing._MetricsSerialisationNoise()
+
+    def record(message, error):
+        exc_info = (type(error), error, None) if error else None
+        return logging.LogRecord(
+            "torch._dynamo.metrics_context", logging.ERROR, __file__, 1, message, None, exc_info
+        )
+
+    sort_error = TypeError("'<' not supported between instances of 'function' and 'function'")
+    assert not noise.filter(record(f"Unexpected exception logging {metrics} metrics", sort_error))
+    assert noise.filter(record(f"Unexpected exception logging {metrics} metrics", KeyError("k")))
+    assert noise.filter(record("another record", sort_error))
+
+
 def test_hugging_face_with_the_inductor_backend():
     model = hf_zoo.tiny("gemma2")
     step = hf_zoo.step(model)
