@@ -331,7 +331,11 @@ def problem_of(
     rows = (math.prod(leading) // max(leading[-1], 1)) * (leading[-1] - shift) if leading else 1
     rounds = policy.rounding(compute, hidden.dtype, classifier.dtype)
     shape = (classifier.shape[0] if vocab is None else vocab, classifier.shape[1])
-    return policy.problem(rows, shape, compute or hidden.dtype, rounds, hidden.device.type)
+    logit_dtype = compute or hidden.dtype
+    device = hidden.device.type
+    return policy.problem(
+        rows, shape, logit_dtype, rounds, device, classifier_dtype=classifier.dtype
+    )
 
 
 def shard_vocab(vocab_size: int, ranks: int) -> int:

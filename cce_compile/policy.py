@@ -110,20 +110,37 @@ class Problem:
     dim: int  # D
     logit_bytes: int  # bytes of one logit in the head's compute dtype (2 for bf16)
     # Autocast's rounding (AMP), of each operand apart (``rounding``): a rounded hidden is a
-    # copy (N x D); a rounded classifier is float32, and so is its gradient.
+    # copy (N x D); a rounded classifier is copied a slab or a chunk at a time.
     rounds_hidden: bool = False
     rounds_classifier: bool = False
     device_type: str = "cuda"  # where it runs: the GPU's rules differ from the CPU path's
+    # Bytes of a rounded classifier's element, and of its gradient: 4 for AMP's float32
+    # weights, 2 for bf16 weights under float16 autocast; 4 where it is not rounded (it is then
+    # in the logits' dtype): read through ``classifier_gradient_bytes``.
+    rounded_classifier_bytes: int = 4
+
+    @property
+    def classifier_gradient_bytes(self) -> int:
+        """Bytes of one element of the classifier's gradient (its dtype's)."""
+        return self.rounded_classifier_bytes if self.rounds_classifier else self.logit_bytes
 
 
 def problem(
-    rows: int, classifier_shape, logit_dtype, rounding: tuple[bool, bool], device: str
+    rows: int,
+    classifier_shape,
+    logit_dtype,
+    rounding: tuple[bool, bool],
+    device: str,
+    *,
+    classifier_dtype,
 ) -> Problem:
     """The one constructor of a ``Problem``: a call's loss rows (or the positions its kernels
     read), the (V, D) of its classifier, the ``torch.dtype`` of its logits (the GEMMs'), which
-    of hidden and the classifier it rounds to that dtype (``rounding``), and where it runs."""
+    of hidden and the classifier it rounds to that dtype (``rounding``), where it runs, and the
+    classifier's own dtype (its gradient's)."""
     vocab, dim = classifier_shape
-    return Problem(rows, vocab, dim, logit_dtype.itemsize, *rounding, device)
+    rounded_bytes = classifier_dtype.itemsize if rounding[1] else 4
+    return Problem(rows, vocab, dim, logit_dtype.itemsize, *rounding, device, rounded_bytes)
 
 
 def rounding(compute_dtype, hidden_dtype, classifier_dtype) -> tuple[bool, bool]:
@@ -158,7 +175,8 @@ def sums_classifier_in_float32(problem: Problem, needs_classifier: bool, fused: 
     4, rounded once at the end)? Below MIN_FAST_DIM on a GPU: there the 2-byte sum over the
     chunks had 1.35-1.58x compile's error (lean: compile's), and the buffer is small (2 D / N of
     the logits' size: at G 256 MiB, ~1/3 of the default budget)."""
-    return narrow_head(problem) and fused and needs_classifier and not problem.rounds_classifier
+    two_bytes = problem.classifier_gradient_bytes < 4
+    return narrow_head(problem) and fused and needs_classifier and two_bytes
 
 
 def fast_fixed_bytes(problem: Problem, needs_classifier: bool = True, fused: bool = False) -> int:
@@ -228,8 +246,8 @@ def fast_floor_rows(problem: Problem, needs_classifier: bool, fused: bool = Fals
     AMP, or in ``sums_classifier_in_float32``'s buffer)."""
     if not needs_classifier:
         return MIN_FROZEN_FAST_ROWS
-    in_float32 = problem.rounds_classifier or sums_classifier_in_float32(problem, True, fused)
-    gradient_bytes = 4 if in_float32 else problem.logit_bytes
+    in_float32 = sums_classifier_in_float32(problem, True, fused)
+    gradient_bytes = 4 if in_float32 else problem.classifier_gradient_bytes
     return MIN_FAST_ROWS * gradient_bytes // 4
 
 

@@ -274,6 +274,8 @@ def test_a_narrow_head_sums_a_bf16_classifier_gradient_in_a_float32_buffer():
     for g in (
         Problem(rows=16384, vocab=131072, dim=512, logit_bytes=2),
         Problem(16384, 131072, 512, 2, rounds_hidden=True),
+        # bf16 weights under float16 autocast: rounded, but the gradient is bf16 (break run)
+        Problem(16384, 131072, 512, 2, True, True, rounded_classifier_bytes=2),
     ):
         assert policy.sums_classifier_in_float32(g, True, fused=True)
         assert policy.fast_fixed_bytes(g, True, fused=True) == buffer + policy.rounded_hidden_bytes(
@@ -294,6 +296,24 @@ def test_a_narrow_head_sums_a_bf16_classifier_gradient_in_a_float32_buffer():
     assert not policy.sums_classifier_in_float32(
         dataclasses.replace(g, device_type="cpu"), True, True
     )
+
+
+@pytest.mark.parametrize(
+    "classifier, gradient_bytes",
+    [("float32", 4), ("bfloat16", 2), ("float16", 2)],
+    ids=["amp-float32", "bf16-under-fp16-autocast", "fp16-under-bf16-autocast"],
+)
+def test_a_rounded_classifier_has_the_gradient_of_its_own_dtype(classifier, gradient_bytes):
+    """The classifier's gradient comes in its own dtype, not float32 because it is rounded."""
+    import torch
+
+    compute = torch.bfloat16 if classifier == "float16" else torch.float16
+    dtype = getattr(torch, classifier)
+    rounding = policy.rounding(compute, torch.float32, dtype)
+    problem = policy.problem(8, (16, 4), compute, rounding, "cuda", classifier_dtype=dtype)
+    assert problem.rounds_classifier and problem.classifier_gradient_bytes == gradient_bytes
+    plain = policy.problem(8, (16, 4), compute, (False, False), "cuda", classifier_dtype=compute)
+    assert plain.classifier_gradient_bytes == 2
 
 
 @pytest.mark.parametrize(
@@ -434,7 +454,14 @@ def test_float16_gradients_are_those_asked_of_float16_inputs(dtypes, needs, floa
 
     from cce_compile import decide
 
-    problem = policy.problem(8192, (128256, 4096), torch.bfloat16, (False, False), "cuda")
+    problem = policy.problem(
+        8192,
+        (128256, 4096),
+        torch.bfloat16,
+        (False, False),
+        "cuda",
+        classifier_dtype=torch.bfloat16,
+    )
     flags = dict(zip(("grad_hidden", "grad_classifier", "grad_bias"), needs))
     dtypes = tuple(None if d is None else getattr(torch, d) for d in dtypes)
     with cce_compile.config.override(mode="auto", memory_budget_mb=4096):

@@ -135,7 +135,14 @@ def problem(layout: RowLayout, head: HeadInputs, work: torch.Tensor) -> policy.P
     """The head's sizes as ``policy`` takes them (``work``: a tensor in the GEMMs' dtype)."""
     rounds = policy.rounding(head.compute_dtype, head.hidden.dtype, head.classifier.dtype)
     shape = tuple(head.classifier.shape)
-    return policy.problem(layout.n_positions, shape, work_dtype(work), rounds, "cuda")
+    return policy.problem(
+        layout.n_positions,
+        shape,
+        work_dtype(work),
+        rounds,
+        "cuda",
+        classifier_dtype=head.classifier.dtype,
+    )
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -149,7 +156,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         )
     if out.dtype == a.dtype:
         return torch.mm(a, b, out=out)
-    return torch.mm(a, b, out_dtype=out.dtype, out=out)
+    if out.dtype == torch.float32:
+        return torch.mm(a, b, out_dtype=out.dtype, out=out)
+    # Another 2-byte dtype (bf16 weights' gradient from float16 operands under float16
+    # autocast): cuBLAS has no such form; a float32 product, rounded once (out's size, uncounted)
+    return out.copy_(torch.mm(a, b, out_dtype=torch.float32))
 
 
 def addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:

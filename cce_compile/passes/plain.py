@@ -301,7 +301,9 @@ def choose_site_mode(site: PlainSite, needs: tuple[bool, bool, bool]) -> str:
     rounds = policy.rounding(site.compute_dtype, *(t.dtype for t in operands))
     rows = p.size_hint(site.rows) or 1
     device = operands[0].device.type
-    problem = policy.problem(rows, (vocab, dim), site.compute_dtype, rounds, device)
+    problem = policy.problem(
+        rows, (vocab, dim), site.compute_dtype, rounds, device, classifier_dtype=classifier.dtype
+    )
     bias = None if site.bias is None else p.tensor_value(site.bias)
     return decide.mode(
         None,

@@ -351,6 +351,7 @@ def _site_mode(site: TensorParallelSite, needs: dict[str, bool]) -> str:
         site.compute_dtype,
         policy.rounding(site.compute_dtype, hidden.dtype, classifier.dtype),
         hidden.device.type,
+        classifier_dtype=classifier.dtype,
     )
     bias = None if site.bias is None else p.tensor_value(site.bias)
     dtypes = decide.operand_dtypes(hidden, classifier, bias)

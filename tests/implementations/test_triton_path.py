@@ -320,7 +320,7 @@ def test_fast_mode_with_float16_exponentials_under_autocast(monkeypatch):
     assert_close("loss", ours, expected, LOSS_RTOL_ROUNDED_LOGITS[torch.float16], loss_scale(case))
     got = torch.autograd.grad(ours, ours_leaves)
     want = torch.autograd.grad(expected, leaves)
-    scales = gradient_scale(case, torch.ones((), dtype=torch.float64), None, leaves)
+    scales = gradient_scale(case, torch.ones((), dtype=torch.float64, device=DEVICE), None, leaves)
     for name, g, w, scale in zip(("hidden", "classifier"), got, want, scales):
         assert g.dtype == torch.float32
         assert_close(name, g, w, GRAD_RTOL[torch.float16], scale)
@@ -354,6 +354,66 @@ def test_fused_chunks_sum_a_bf16_classifier_gradient_in_float32_below_min_fast_d
     case = build_case(leading=(4, 7), dim=18, vocab=45, dtype=torch.bfloat16, seed=13)
     run_and_compare(to_device(case), mode="fast")
     assert len(summed) > 2 and set(summed) == {summed_in}
+
+
+@pytest.mark.parametrize(
+    "min_fast_dim, summed_in",
+    [(1024, torch.float32), (16, torch.bfloat16)],
+    ids=["narrow-float32-buffer", "wide-the-gradient-itself"],
+)
+def test_a_bf16_classifier_under_float16_autocast_in_fast_mode(
+    monkeypatch, min_fast_dim, summed_in
+):
+    """bf16 weights beside a float32 hidden under float16 autocast: the classifier is rounded,
+    but its gradient is bf16, so below MIN_FAST_DIM its chunks are summed in float32 as for
+    bf16 weights (break run, session 19: summed in bf16, 2x float32 accumulation's error);
+    from it on the bf16 gradient sums itself (float16 products into a bf16 output: cuBLAS has
+    no such form, a GPU error in lean and fast until session 20). The classifier's gradient
+    against the oracle in its dtype; hidden's against lean mode's (the same float16 products
+    of the gradient: 1.4-1.8e-3 from the oracle in both modes, float16's rounding of
+    bf16-valued inputs)."""
+    from oracle import gradient_scale, loss_scale
+
+    from cce_compile import policy
+    from cce_compile.implementations import triton_shared
+
+    summed = []
+    real_addmm = triton_shared.addmm_
+    monkeypatch.setattr(
+        triton_shared,
+        "addmm_",
+        lambda acc, *a, **k: summed.append(acc.dtype) or real_addmm(acc, *a, **k),
+    )
+    monkeypatch.setattr(triton_shared, "work_dtype", lambda tensor: tensor.dtype)
+    monkeypatch.setattr(policy, "fast_fuses_exp", lambda *args: True)
+    monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
+    monkeypatch.setattr(policy, "MIN_FAST_DIM", min_fast_dim)
+    # bf16 values, which float16 holds exactly: the oracle's inputs are the rounded ones
+    case = to_device(build_case(leading=(4, 7), dim=18, vocab=45, dtype=torch.bfloat16, seed=13))
+    leaves = [case.hidden.requires_grad_(), case.classifier.requires_grad_()]
+
+    def gradients(mode):
+        ours_leaves = [case.hidden.detach().float(), case.classifier.detach()]
+        ours_leaves = [t.requires_grad_() for t in ours_leaves]
+        with torch.autocast(DEVICE, dtype=torch.float16):
+            loss = cce_compile.linear_cross_entropy(
+                *ours_leaves, case.targets, mode=mode, **case.options()
+            )
+        return loss, torch.autograd.grad(loss, ours_leaves)
+
+    _, (lean_hidden, _) = gradients("lean")
+    summed.clear()
+    ours, (grad_hidden, grad_classifier) = gradients("fast")
+    assert len(summed) > 2 and set(summed) == {summed_in}
+    expected = oracle(case)
+    assert_close("loss", ours, expected, LOSS_RTOL_ROUNDED_LOGITS[torch.float16], loss_scale(case))
+    want = torch.autograd.grad(expected, leaves)[1]
+    scale = gradient_scale(case, torch.ones((), dtype=torch.float64, device=DEVICE), None, leaves)[
+        1
+    ]
+    assert grad_hidden.dtype == torch.float32 and grad_classifier.dtype == torch.bfloat16
+    assert_close("classifier", grad_classifier, want, GRAD_RTOL[torch.bfloat16], scale)
+    assert_close("hidden", grad_hidden, lean_hidden, GRAD_RTOL[torch.float16])
 
 
 @pytest.mark.parametrize("form", ["lean", "fast", "fused"])
