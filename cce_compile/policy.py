@@ -170,13 +170,28 @@ def narrow_head(problem: Problem) -> bool:
     return problem.device_type == "cuda" and problem.dim < MIN_FAST_DIM
 
 
+def cross_half_gradient(problem: Problem) -> bool:
+    """Is the classifier's gradient, on a GPU, a 2-byte dtype other than the GEMMs' (bf16
+    weights under float16 autocast)? cuBLAS writes no float16 product into bf16: each such
+    product is a float32 one first, of the output's size."""
+    two_bytes = problem.classifier_gradient_bytes == 2
+    return problem.device_type == "cuda" and problem.rounds_classifier and two_bytes
+
+
 def sums_classifier_in_float32(problem: Problem, needs_classifier: bool, fused: bool) -> bool:
     """Does a fast run sum a 2-byte classifier gradient in a float32 buffer of its own (V x D x
     4, rounded once at the end)? Below MIN_FAST_DIM on a GPU: there the 2-byte sum over the
     chunks had 1.35-1.58x compile's error (lean: compile's), and the buffer is small (2 D / N of
-    the logits' size: at G 256 MiB, ~1/3 of the default budget)."""
+    the logits' size: at G 256 MiB, ~1/3 of the default budget). And for a cross-half
+    gradient at any D: its chunks' products are float32 anyway (``cross_half_gradient``), so
+    the buffer, counted, replaces an uncounted V x D temporary per chunk (break run, session
+    20: 550 MiB against a 300 MiB budget)."""
+    if not needs_classifier:
+        return False
+    if cross_half_gradient(problem):
+        return True
     two_bytes = problem.classifier_gradient_bytes < 4
-    return narrow_head(problem) and fused and needs_classifier and two_bytes
+    return narrow_head(problem) and fused and two_bytes
 
 
 def fast_fixed_bytes(problem: Problem, needs_classifier: bool = True, fused: bool = False) -> int:
@@ -296,6 +311,8 @@ def lean_slab_columns(problem: Problem, needs_hidden: bool, budget: int) -> int:
     fixed += rounded_hidden_bytes(problem)
     if problem.rounds_classifier:
         per_class += problem.dim * problem.logit_bytes
+    if cross_half_gradient(problem):  # the slab's gradient, a float32 product first
+        per_class += problem.dim * 4
     launch_floor = -(-MIN_SLAB_MACS // max(1, problem.rows * problem.dim))
     return max(MIN_SLAB_COLUMNS, launch_floor, (budget - fixed) // max(1, per_class))
 

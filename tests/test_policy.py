@@ -298,6 +298,32 @@ def test_a_narrow_head_sums_a_bf16_classifier_gradient_in_a_float32_buffer():
     )
 
 
+def test_a_cross_half_gradient_is_summed_and_sliced_in_float32_and_counted():
+    """bf16 weights under float16 autocast on a GPU: cuBLAS has no float16 -> bf16 product,
+    so fast mode sums the gradient in a float32 buffer at every D (counted, with float32's
+    floor), and lean counts each slab's float32 product (break run, session 20: uncounted,
+    550 MiB against a 300 MiB budget)."""
+    e = Problem(8192, 128256, 4096, 2, True, True, rounded_classifier_bytes=2)
+    assert policy.cross_half_gradient(e)
+    for fused in (True, False):
+        assert policy.sums_classifier_in_float32(e, True, fused)
+        assert policy.fast_fixed_bytes(e, True, fused) == (
+            policy.rounded_hidden_bytes(e) + 128256 * 4096 * 4
+        )
+        assert policy.fast_floor_rows(e, True, fused) == MIN_FAST_ROWS
+    assert not policy.sums_classifier_in_float32(e, False, True)  # frozen: no gradient
+    amp = dataclasses.replace(e, rounded_classifier_bytes=4)
+    bf16 = dataclasses.replace(e, rounds_hidden=False, rounds_classifier=False)
+    cpu = dataclasses.replace(e, device_type="cpu")
+    for other in (amp, bf16, cpu):
+        assert not policy.cross_half_gradient(other)
+    budget = 1 << 30
+    slab = policy.lean_slab_columns(e, True, budget)
+    fixed = e.rows * e.dim * 4 + policy.rounded_hidden_bytes(e)
+    assert slab == (budget - fixed) // (e.rows * 2 + e.dim * 2 + e.dim * 4)
+    assert slab < policy.lean_slab_columns(amp, True, budget)
+
+
 @pytest.mark.parametrize(
     "classifier, gradient_bytes",
     [("float32", 4), ("bfloat16", 2), ("float16", 2)],

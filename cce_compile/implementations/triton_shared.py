@@ -159,7 +159,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if out.dtype == torch.float32:
         return torch.mm(a, b, out_dtype=out.dtype, out=out)
     # Another 2-byte dtype (bf16 weights' gradient from float16 operands under float16
-    # autocast): cuBLAS has no such form; a float32 product, rounded once (out's size, uncounted)
+    # autocast): cuBLAS has no such form; a float32 product, rounded once (out's size: lean's
+    # slab counts it, policy.cross_half_gradient; fast mode sums such a gradient in float32)
     return out.copy_(torch.mm(a, b, out_dtype=torch.float32))
 
 

@@ -90,17 +90,19 @@ def _hook_library_import() -> None:
 
 
 _METRICS_RECORDS = ("logging compilation metrics", "logging runtime metrics")
+_SORT_ERROR = "'<' not supported between instances of"
 
 
 class _MetricsSerialisationNoise(logging.Filter):
     """Drops torch 2.11's 'Unexpected exception logging compilation metrics' and '... runtime
-    metrics' records that the functions in the ignore set cause (its config dump sorts and
-    serialises the set: a TypeError), and only those."""
+    metrics' records that the functions in the ignore set cause (its config dump sorts the
+    set: a TypeError of comparing them), and only those."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         about_metrics = any(text in str(record.msg) for text in _METRICS_RECORDS)
-        return not (about_metrics and isinstance(error, TypeError))
+        unsortable = isinstance(error, TypeError) and _SORT_ERROR in str(error)
+        return not (about_metrics and unsortable)
 
 
 def install() -> None:

@@ -144,6 +144,8 @@ def test_metrics_records_of_the_ignore_set_are_dropped(metrics):
     sort_error = TypeError("'<' not supported between instances of 'function' and 'function'")
     assert not noise.filter(record(f"Unexpected exception logging {metrics} metrics", sort_error))
     assert noise.filter(record(f"Unexpected exception logging {metrics} metrics", KeyError("k")))
+    other_type_error = TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'")
+    assert noise.filter(record(f"Unexpected exception logging {metrics} metrics", other_type_error))
     assert noise.filter(record("another record", sort_error))
 
 
