@@ -326,17 +326,10 @@ def test_fast_mode_with_float16_exponentials_under_autocast(monkeypatch):
         assert_close(name, g, w, GRAD_RTOL[torch.float16], scale)
 
 
-@pytest.mark.parametrize(
-    "min_fast_dim, summed_in",
-    [(1024, torch.float32), (16, torch.bfloat16)],
-    ids=["narrow-float32-buffer", "wide-the-gradient-itself"],
-)
-def test_fused_chunks_sum_a_bf16_classifier_gradient_in_float32_below_min_fast_dim(
-    monkeypatch, min_fast_dim, summed_in
-):
-    """Below policy.MIN_FAST_DIM the chunks' bf16 classifier gradient is summed in a float32
-    buffer and rounded once at the end (summed in bf16 it had 1.35x compile's error at G);
-    from it on the gradient sums itself. Both against the oracle, in bf16 as returned."""
+def _fused_chunks_recording_sums(monkeypatch, min_fast_dim: int) -> list:
+    """Fast runs in fused chunks of 5 rows in the operands' dtype, ``min_fast_dim`` as
+    policy.MIN_FAST_DIM; returns the list of the dtypes the classifier's gradient is summed in,
+    one entry per chunk."""
     from cce_compile import policy
     from cce_compile.implementations import triton_shared
 
@@ -351,6 +344,21 @@ def test_fused_chunks_sum_a_bf16_classifier_gradient_in_float32_below_min_fast_d
     monkeypatch.setattr(policy, "fast_fuses_exp", lambda *args: True)
     monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
     monkeypatch.setattr(policy, "MIN_FAST_DIM", min_fast_dim)
+    return summed
+
+
+@pytest.mark.parametrize(
+    "min_fast_dim, summed_in",
+    [(1024, torch.float32), (16, torch.bfloat16)],
+    ids=["narrow-float32-buffer", "wide-the-gradient-itself"],
+)
+def test_fused_chunks_sum_a_bf16_classifier_gradient_in_float32_below_min_fast_dim(
+    monkeypatch, min_fast_dim, summed_in
+):
+    """Below policy.MIN_FAST_DIM the chunks' bf16 classifier gradient is summed in a float32
+    buffer and rounded once at the end (summed in bf16 it had 1.35x compile's error at G);
+    from it on the gradient sums itself. Both against the oracle, in bf16 as returned."""
+    summed = _fused_chunks_recording_sums(monkeypatch, min_fast_dim)
     case = build_case(leading=(4, 7), dim=18, vocab=45, dtype=torch.bfloat16, seed=13)
     run_and_compare(to_device(case), mode="fast")
     assert len(summed) > 2 and set(summed) == {summed_in}
@@ -368,20 +376,7 @@ def test_a_bf16_classifier_under_float16_autocast_in_fast_mode(monkeypatch, min_
     float16's rounding of bf16-valued inputs)."""
     from oracle import gradient_scale, loss_scale
 
-    from cce_compile import policy
-    from cce_compile.implementations import triton_shared
-
-    summed = []
-    real_addmm = triton_shared.addmm_
-    monkeypatch.setattr(
-        triton_shared,
-        "addmm_",
-        lambda acc, *a, **k: summed.append(acc.dtype) or real_addmm(acc, *a, **k),
-    )
-    monkeypatch.setattr(triton_shared, "work_dtype", lambda tensor: tensor.dtype)
-    monkeypatch.setattr(policy, "fast_fuses_exp", lambda *args: True)
-    monkeypatch.setattr(policy, "fast_run_rows", lambda *args: 5)
-    monkeypatch.setattr(policy, "MIN_FAST_DIM", min_fast_dim)
+    summed = _fused_chunks_recording_sums(monkeypatch, min_fast_dim)
     # bf16 values, which float16 holds exactly: the oracle's inputs are the rounded ones
     case = to_device(build_case(leading=(4, 7), dim=18, vocab=45, dtype=torch.bfloat16, seed=13))
     leaves = [case.hidden.requires_grad_(), case.classifier.requires_grad_()]
