@@ -8,12 +8,14 @@ gradients it returns):
   replaces, N x V x the head's dtype size; at least ``MIN_BUDGET``.
 * lean: forward, the rounded hidden (AMP) and one rounded classifier slab; backward, a float32
   d-hidden accumulator (N x D x 4), the rounded hidden (AMP) and slabs of ``w`` classes
-  (N x w gradient, plus w x D rounded classifier under AMP), ``w`` as large as the budget
-  allows and at least ``MIN_SLAB_COLUMNS`` (so at V < 16 D, where the accumulator alone is
-  over 1/5 of the logits, lean takes more than the budget).
+  (N x w gradient, plus w x D rounded classifier under AMP, plus w x D x 4 for a
+  ``cross_half_gradient``), ``w`` as large as the budget allows and at least
+  ``MIN_SLAB_COLUMNS`` (so at V < 16 D, where the accumulator alone is over 1/5 of the
+  logits, lean takes more than the budget).
 * fast: no V x D tensor of its own (the classifier's gradient, in its own dtype, accumulates
   the chunks: it is an output, not extra), except below ``MIN_FAST_DIM``, where a 2-byte
-  gradient is summed in a float32 buffer (V x D x 4, counted); the rounded hidden (AMP; the
+  gradient is summed in a float32 buffer (V x D x 4, counted), as is a
+  ``cross_half_gradient`` at every D (``sums_classifier_in_float32``); the rounded hidden (AMP; the
   rounded classifier is autocast's own copy, not counted: ``fast_fixed_bytes``), and chunks
   of ``n`` rows with their float32 hidden gradient (n x D x 4): float32 logits (n x V x 4;
   the bf16 gradient is written over them), or, for a bf16 / fp16 gradient where no whole

@@ -7,8 +7,8 @@ For each token chunk of ``n`` rows:
   grad.T @ hidden[chunk] into the classifier's gradient itself (its own dtype: float32 under
   AMP, bf16 for bf16 weights). The backward scales both by the upstream gradient in place
   (``triton_shared.scale_``). Three GEMMs, the minimum, and no V x D tensor but the gradient
-  (below D = 1024 a bf16 gradient is summed in a float32 buffer and rounded once:
-  ``policy.sums_classifier_in_float32``).
+  (below D = 1024 a bf16 gradient is summed in a float32 buffer and rounded once, as is a bf16
+  one of float16 products at every D: ``policy.sums_classifier_in_float32``).
   Over a vocabulary shard (``SplitVocabulary``): ``chunk_row_stats``, the combine over the
   ranks, then ``chunk_softmax_grad`` with the whole vocabulary's lse.
 Fused (``policy.fast_fuses_exp``: a bf16 / fp16 gradient; not with softcap, entropy, argmax
@@ -18,9 +18,10 @@ gradient buffer in the compute dtype, with the tile maxima and partial lse; then
 No float32 logits: two bytes a logit instead of four, so a budget holds ~1.9x the rows (fewer
 chunks, fewer re-reads of the classifier's gradient), and less traffic per logit.
 Mixed precision (``compute_dtype`` rounding float32 inputs, autocast's form): hidden and the
-classifier are rounded once (cuBLAS needs the classifier whole per chunk); classifier
-gradients are written in float32 directly. The chunk size comes from ``policy`` (the memory
-budget). ``triton_path`` (lean mode) re-exports ``fast_forward``, the op's entry point here.
+classifier are rounded once (cuBLAS needs the classifier whole per chunk); a float32
+classifier's gradient is summed in place, in float32. The chunk size comes from ``policy``
+(the memory budget). ``triton_path`` (lean mode) re-exports ``fast_forward``, the op's entry
+point here.
 """
 
 from __future__ import annotations
@@ -138,7 +139,8 @@ class _FastBuffers:
             self.stage = torch.empty((rows, dim), dtype=torch.float32, device=device)
         # The classifier's gradient itself, in its dtype, accumulates the chunks (no separate
         # float32 buffer): float32 under AMP, exact; bf16 for bf16 weights, each chunk's float32
-        # product added in cuBLAS's epilogue and rounded once. Below D = 1024 a bf16 gradient
+        # product added in cuBLAS's epilogue and rounded once. Below D = 1024 a bf16 gradient,
+        # and at every D a bf16 one of float16 products (bf16 weights under float16 autocast),
         # is summed in float32 and rounded at the end (``policy.sums_classifier_in_float32``).
         # Written, not accumulated, by the first chunk's GEMM (beta = 0): no zero fill, unless
         # there is no chunk at all (no rows).

@@ -12,7 +12,8 @@ Lean mode (``forward`` + ``backward``):
             dtype) and d hidden += slab @ classifier[slab] into a float32 accumulator (N x D).
 Mixed precision (``compute_dtype`` rounding float32 inputs, autocast's form): hidden is rounded
 once; the classifier one slab of classes at a time in lean mode (no V x D copy), once in fast
-mode (cuBLAS needs it whole per chunk); classifier gradients are written in float32 directly.
+mode (cuBLAS needs it whole per chunk); a float32 classifier's gradient is written in float32
+directly (a bf16 one of float16 products through a float32 product: ``triton_shared.matmul``).
 The sizes of slabs and chunks come from ``policy`` (the memory budget).
 
 Everything here also runs on CPU tensors under TRITON_INTERPRET=1 (the kernel tests): there

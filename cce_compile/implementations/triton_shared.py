@@ -179,7 +179,8 @@ def addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> 
         acc.addmm_(a, b)
     elif acc.dtype == torch.float32:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:  # e.g. a float16 classifier with a bf16 compute dtype: no cuBLAS form
+    else:  # another 2-byte dtype: no cuBLAS form (unused: policy.sums_classifier_in_float32
+        # sums such gradients in float32); a float32 product of acc's size, uncounted
         acc.add_(torch.mm(a, b, out_dtype=torch.float32))
 
 

@@ -18,8 +18,8 @@ setting cannot be scoped to our compiles: a backend's ``backend_ctx_ctor`` is dr
 ``torch.compile``'s wrapper, and compile callbacks are cleared by ``torch._dynamo.reset()``).
 To keep those warnings under compile, remove them from the set after importing cce_compile.
 
-On torch 2.11 a set of two or more functions makes Dynamo's metrics records fail, the
-compilation's and the runtime's (its config dump sorts the set: a TypeError); compiling is
+On torch 2.11 a non-empty set makes Dynamo's metrics records fail, the compilation's and the
+runtime's (its config dump sorts the set and serialises it to JSON: a TypeError); compiling is
 unaffected, the error records it logs are filtered out here, and those frames' metrics are lost
 (explain() then cannot list skipped frames or breaks that produced no graph).
 """
@@ -90,19 +90,20 @@ def _hook_library_import() -> None:
 
 
 _METRICS_RECORDS = ("logging compilation metrics", "logging runtime metrics")
-_SORT_ERROR = "'<' not supported between instances of"
+# Sorting two or more functions fails; one is sorted, then not serialisable.
+_SET_ERRORS = ("'<' not supported between instances of", "is not JSON serializable")
 
 
 class _MetricsSerialisationNoise(logging.Filter):
     """Drops torch 2.11's 'Unexpected exception logging compilation metrics' and '... runtime
     metrics' records that the functions in the ignore set cause (its config dump sorts the
-    set: a TypeError of comparing them), and only those."""
+    set and serialises it: a TypeError of comparing or serialising them), and only those."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         about_metrics = any(text in str(record.msg) for text in _METRICS_RECORDS)
-        unsortable = isinstance(error, TypeError) and _SORT_ERROR in str(error)
-        return not (about_metrics and unsortable)
+        of_the_set = isinstance(error, TypeError) and any(e in str(error) for e in _SET_ERRORS)
+        return not (about_metrics and of_the_set)
 
 
 def install() -> None:

@@ -143,6 +143,8 @@ def test_metrics_records_of_the_ignore_set_are_dropped(metrics):
 
     sort_error = TypeError("'<' not supported between instances of 'function' and 'function'")
     assert not noise.filter(record(f"Unexpected exception logging {metrics} metrics", sort_error))
+    json_error = TypeError("Object of type function is not JSON serializable")  # one function
+    assert not noise.filter(record(f"Unexpected exception logging {metrics} metrics", json_error))
     assert noise.filter(record(f"Unexpected exception logging {metrics} metrics", KeyError("k")))
     other_type_error = TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'")
     assert noise.filter(record(f"Unexpected exception logging {metrics} metrics", other_type_error))
