@@ -329,12 +329,11 @@ def problem_of(
     the classes to plan for where not the classifier's (a rank's shard: ``shard_vocab``)."""
     leading = hidden.shape[:-1]
     rows = (math.prod(leading) // max(leading[-1], 1)) * (leading[-1] - shift) if leading else 1
-    rounds = policy.rounding(compute, hidden.dtype, classifier.dtype)
     shape = (classifier.shape[0] if vocab is None else vocab, classifier.shape[1])
+    dtypes = (hidden.dtype, classifier.dtype)
     logit_dtype = compute or hidden.dtype
-    device = hidden.device.type
     return policy.problem(
-        rows, shape, logit_dtype, rounds, device, classifier_dtype=classifier.dtype
+        rows, shape, logit_dtype, hidden.device.type, compute_dtype=compute, dtypes=dtypes
     )
 
 

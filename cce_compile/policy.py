@@ -131,18 +131,19 @@ def problem(
     rows: int,
     classifier_shape,
     logit_dtype,
-    rounding: tuple[bool, bool],
     device: str,
     *,
-    classifier_dtype,
+    compute_dtype,
+    dtypes: tuple,
 ) -> Problem:
     """The one constructor of a ``Problem``: a call's loss rows (or the positions its kernels
-    read), the (V, D) of its classifier, the ``torch.dtype`` of its logits (the GEMMs'), which
-    of hidden and the classifier it rounds to that dtype (``rounding``), where it runs, and the
-    classifier's own dtype (its gradient's)."""
+    read), the (V, D) of its classifier, the ``torch.dtype`` of its logits (the GEMMs'), where
+    it runs, autocast's compute dtype (None: none) and the (hidden, classifier) dtypes, which
+    set what it rounds (``rounding``) and the classifier gradient's dtype."""
     vocab, dim = classifier_shape
-    rounded_bytes = classifier_dtype.itemsize if rounding[1] else 4
-    return Problem(rows, vocab, dim, logit_dtype.itemsize, *rounding, device, rounded_bytes)
+    rounds = rounding(compute_dtype, *dtypes)
+    rounded_bytes = dtypes[1].itemsize if rounds[1] else 4
+    return Problem(rows, vocab, dim, logit_dtype.itemsize, *rounds, device, rounded_bytes)
 
 
 def rounding(compute_dtype, hidden_dtype, classifier_dtype) -> tuple[bool, bool]:

@@ -148,17 +148,20 @@ def test_site_grad_filter_is_the_setting_unless_the_options_conflict():
 def test_problem_of_tensors_is_the_problem_of_their_sizes():
     hidden, classifier, _ = _tensors(rows=7, dim=5, vocab=8)
     plain = decide.problem_of(hidden, classifier, 2, None)
-    assert plain == policy.problem(
-        10, (8, 5), torch.float32, (False, False), "cpu", classifier_dtype=torch.float32
-    )
+    f32 = (torch.float32, torch.float32)
+    assert plain == policy.problem(10, (8, 5), torch.float32, "cpu", compute_dtype=None, dtypes=f32)
     amp = decide.problem_of(hidden, classifier, 0, torch.bfloat16)
     assert amp == policy.Problem(14, 8, 5, 2, True, True, device_type="cpu")
 
 
+def _bf16_gpu_problem(rows: int, classifier_shape) -> policy.Problem:
+    """The policy's problem of a bf16 call on a GPU, no autocast."""
+    bf16 = (torch.bfloat16, torch.bfloat16)
+    return policy.problem(rows, classifier_shape, bf16[0], "cuda", compute_dtype=None, dtypes=bf16)
+
+
 def test_mode_explicit_fast_without_a_scalar_loss_is_an_error_and_filtering_takes_lean():
-    problem = policy.problem(
-        4096, (32000, 2048), torch.bfloat16, (False, False), "cuda", classifier_dtype=torch.bfloat16
-    )
+    problem = _bf16_gpu_problem(4096, (32000, 2048))
     call = dict(
         needs=dict(grad_hidden=True, grad_classifier=True, grad_bias=False),
         dtypes=(torch.bfloat16, torch.bfloat16, None),
@@ -177,14 +180,7 @@ WHOLE_ROW_FLAGS = ["softcap", "entropy", "argmax", "split"]
 def test_mode_sizes_fast_chunks_by_the_form_the_call_takes(flag):
     """A budget that holds auto's floor of fused rows (bf16 exponentials) but not of whole
     float32 rows: fast for a plain call, lean for one that needs whole rows."""
-    problem = policy.problem(
-        8192,
-        (128256, 4096),
-        torch.bfloat16,
-        (False, False),
-        "cuda",
-        classifier_dtype=torch.bfloat16,
-    )
+    problem = _bf16_gpu_problem(8192, (128256, 4096))
     floor = policy.fast_floor_rows(problem, True)
     megabytes = floor * policy.fast_row_bytes(problem, fused=True) // 2**20 + 1
     assert megabytes * 2**20 < floor * policy.fast_row_bytes(problem)

@@ -335,10 +335,10 @@ def test_a_rounded_classifier_has_the_gradient_of_its_own_dtype(classifier, grad
 
     compute = torch.bfloat16 if classifier == "float16" else torch.float16
     dtype = getattr(torch, classifier)
-    rounding = policy.rounding(compute, torch.float32, dtype)
-    problem = policy.problem(8, (16, 4), compute, rounding, "cuda", classifier_dtype=dtype)
+    dtypes = (torch.float32, dtype)
+    problem = policy.problem(8, (16, 4), compute, "cuda", compute_dtype=compute, dtypes=dtypes)
     assert problem.rounds_classifier and problem.classifier_gradient_bytes == gradient_bytes
-    plain = policy.problem(8, (16, 4), compute, (False, False), "cuda", classifier_dtype=compute)
+    plain = policy.problem(8, (16, 4), compute, "cuda", compute_dtype=None, dtypes=(compute,) * 2)
     assert plain.classifier_gradient_bytes == 2
 
 
@@ -480,14 +480,7 @@ def test_float16_gradients_are_those_asked_of_float16_inputs(dtypes, needs, floa
 
     from cce_compile import decide
 
-    problem = policy.problem(
-        8192,
-        (128256, 4096),
-        torch.bfloat16,
-        (False, False),
-        "cuda",
-        classifier_dtype=torch.bfloat16,
-    )
+    problem = E
     flags = dict(zip(("grad_hidden", "grad_classifier", "grad_bias"), needs))
     dtypes = tuple(None if d is None else getattr(torch, d) for d in dtypes)
     with cce_compile.config.override(mode="auto", memory_budget_mb=4096):

@@ -133,15 +133,13 @@ def work_dtype(tensor: torch.Tensor) -> torch.dtype:
 
 def problem(layout: RowLayout, head: HeadInputs, work: torch.Tensor) -> policy.Problem:
     """The head's sizes as ``policy`` takes them (``work``: a tensor in the GEMMs' dtype)."""
-    rounds = policy.rounding(head.compute_dtype, head.hidden.dtype, head.classifier.dtype)
-    shape = tuple(head.classifier.shape)
     return policy.problem(
         layout.n_positions,
-        shape,
+        tuple(head.classifier.shape),
         work_dtype(work),
-        rounds,
         "cuda",
-        classifier_dtype=head.classifier.dtype,
+        compute_dtype=head.compute_dtype,
+        dtypes=(head.hidden.dtype, head.classifier.dtype),
     )
 
 
@@ -177,11 +175,9 @@ def addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> 
             acc.copy_(torch.addmm(acc.float(), a.float(), b.float()))
     elif a.dtype == acc.dtype:
         acc.addmm_(a, b)
-    elif acc.dtype == torch.float32:
+    else:  # a float32 acc: cuBLAS has no other mixed form, and needs none here (a 2-byte
+        # gradient of other 2-byte products is summed in float32: policy.cross_half_gradient)
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:  # another 2-byte dtype: no cuBLAS form (unused: policy.sums_classifier_in_float32
-        # sums such gradients in float32); a float32 product of acc's size, uncounted
-        acc.add_(torch.mm(a, b, out_dtype=torch.float32))
 
 
 def hidden_grad(grad_positions: torch.Tensor, layout: RowLayout, hidden: torch.Tensor):

@@ -298,11 +298,12 @@ def choose_site_mode(site: PlainSite, needs: tuple[bool, bool, bool]) -> str:
     if site.classifier_is_transposed:
         vocab, dim = dim, vocab
     operands = (p.tensor_value(site.hidden), classifier)
-    rounds = policy.rounding(site.compute_dtype, *(t.dtype for t in operands))
     rows = p.size_hint(site.rows) or 1
     device = operands[0].device.type
+    dtypes = tuple(t.dtype for t in operands)
+    compute = site.compute_dtype
     problem = policy.problem(
-        rows, (vocab, dim), site.compute_dtype, rounds, device, classifier_dtype=classifier.dtype
+        rows, (vocab, dim), compute, device, compute_dtype=compute, dtypes=dtypes
     )
     bias = None if site.bias is None else p.tensor_value(site.bias)
     return decide.mode(

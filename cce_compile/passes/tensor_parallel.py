@@ -349,9 +349,9 @@ def _site_mode(site: TensorParallelSite, needs: dict[str, bool]) -> str:
         p.size_hint(site.rows) or 1,
         (decide.shard_vocab(site.shard.size, ranks), p.size_hint(classifier.shape[1]) or 1),
         site.compute_dtype,
-        policy.rounding(site.compute_dtype, hidden.dtype, classifier.dtype),
         hidden.device.type,
-        classifier_dtype=classifier.dtype,
+        compute_dtype=site.compute_dtype,
+        dtypes=(hidden.dtype, classifier.dtype),
     )
     bias = None if site.bias is None else p.tensor_value(site.bias)
     dtypes = decide.operand_dtypes(hidden, classifier, bias)
