@@ -264,8 +264,19 @@ def update(**changes: object) -> Settings:
             "cce_compile.enable() (or use backend='cce')"
         )
     previous = get()
+    _check_names(changes)
     _current = dataclasses.replace(previous, **changes)  # type: ignore[arg-type]
     return previous
+
+
+def _check_names(changes: Mapping[str, object]) -> None:
+    """A SettingsError naming a keyword that is no setting (as a mistyped variable is named)."""
+    known = [field.name for field in dataclasses.fields(Settings)]
+    for name in changes:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise SettingsError(f"{name!r} is not a cce_compile setting{hint}; settings: {known}")
 
 
 @contextlib.contextmanager

@@ -26,6 +26,18 @@ def test_auto_enable_set_in_code_says_it_installs_nothing_and_points_to_enable(c
     assert "installs nothing: call cce_compile.enable()" in record.getMessage()
 
 
+def test_a_mistyped_keyword_in_code_is_named_with_the_setting_it_resembles():
+    """config.override / update with a name that is no setting: a SettingsError naming it and
+    the setting it resembles (it was Settings' own TypeError), and the settings unchanged."""
+    before = config.get()
+    with pytest.raises(config.SettingsError, match="'mdoe' is not a .*did you mean 'mode'"):
+        with config.override(mdoe="fast"):
+            pass
+    with pytest.raises(config.SettingsError, match="'colour' is not a cce_compile setting"):
+        config.update(colour="blue")
+    assert config.get() == before
+
+
 def test_mistyped_variables_are_named_with_the_setting_they_resemble():
     environ = {"CCE_COMPIL": "1", "CCE_MDOE": "fast", "CCE_SKIP_IGNORE": "0", "CCE_MODE": "lean"}
     environ["CCE_VERSION"] = "17"  # (another tool's CCE_* name: not ours to judge)
