@@ -94,7 +94,7 @@ PEAKED_TARGET_MASS = 0.97
 
 
 def count_first_selection(valid: torch.Tensor, order_of=None):
-    """Fast mode's compaction as before session 18: the count of kept rows waited for
+    """Fast mode's compaction as before bdc59b7: the count of kept rows waited for
     (``nonzero``) before the first GEMM, not after it (``compaction._kept_first``'s order;
     ``order_of``, the implementation's kept-first kernel, is not used)."""
     from cce_compile.op import compaction
@@ -220,12 +220,12 @@ def _cce_methods():
 
     # skipping ignored rows whatever the size
     methods["cce_auto_skip_any_size"] = lambda: auto_with_policy(MIN_SKIP_MACS=0)
-    # the count of kept rows waited for before the first GEMM: sessions 10-17's compaction
+    # the count of kept rows waited for before the first GEMM: compaction before bdc59b7
     methods["cce_auto_count_first"] = auto_count_first
-    # a frozen head's chunks on the whole budget: sessions 12-16's frozen default
+    # a frozen head's chunks on the whole budget: the frozen default before 4c7e74e
     methods["cce_auto_frozen_whole_budget"] = lambda: auto_with_policy(FROZEN_BUDGET_SHARE=1.0)
     # fast mode's chunks as whole float32 rows (cuBLAS logits, then chunk_softmax_grad), not
-    # the GEMM's scaled exponentials: session 14's whole-row form
+    # the GEMM's scaled exponentials: the whole-row form before the fused GEMM (05c7832)
     methods["cce_auto_whole_rows"] = lambda: auto_with_policy(fast_fuses_exp=lambda *a, **k: False)
 
     def auto_with_budget(h, c, t, megabytes):

@@ -4,7 +4,7 @@ Times one warm forward+backward of ``cce_compile.linear_cross_entropy(mode="fast
 (no profiler): from the call to compaction's selection (``compaction.select``), the selection
 itself, from it to the first ``logits_exp`` launch, and the wait for the count of kept rows.
 Until that launch the GPU has nothing large to run: in a benchmark of the loss alone, or after
-a host synchronisation in a model, that host time is GPU idle. Before session 18 the selection
+a host synchronisation in a model, that host time is GPU idle. Before bdc59b7 the selection
 was the synchronisation (``nonzero``); since, fast mode's selection queues a kept-first order
 and the wait comes after the first GEMM's launch (``KeptRows.count``: "count wait").
 

@@ -1,6 +1,6 @@
 """The classifier gradient's accuracy under scaled-exponential designs, simulated on a CPU.
 
-Before fast mode's slabs were built (session 14) this asked: if a chunk keeps bf16 exp(z - m)
+Before fast mode's slabs were built (a7ac54b) this asked: if a chunk keeps bf16 exp(z - m)
 per tile of classes instead of float32 logits, and the missing factor exp(m - lse) is applied
 afterwards, how far is d classifier from float64? Each form rounds where a GPU would (bf16
 operands, float32 accumulation, one bf16 rounding of the result), against torch.compile's

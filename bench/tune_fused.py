@@ -3,7 +3,7 @@
 For one chunk of each shape (the rows the default's budget gives it): cuBLAS's logits GEMM
 (bf16 out, and float32 out as the unfused path writes it), then ``logits_exp`` under several
 tile configurations, and pass 2 (``scaled_exp_grad``) after it. Medians of CUDA-event timings.
-(Since session 17 pass 2 also reduces the partial lse to the rows' lse, which ran as a
+(Since 41a4248 pass 2 also reduces the partial lse to the rows' lse, which ran as a
 ``torch.logsumexp`` outside the timing before: its ``pass2_ms`` is not comparable with earlier
 runs'.)
 

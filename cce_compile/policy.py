@@ -50,16 +50,9 @@ log = logging.getLogger("cce_compile")
 # The most rows per fast-mode chunk: beyond it more rows buy little speed (the accumulator's
 # re-read is ~5% at 4096) and cost chunk memory.
 FAST_CHUNK_ROWS = 4096
-# The narrowest hidden size at which auto prefers fast on a GPU with whole float32 rows; below
-# it a fast run sums a 2-byte classifier gradient in float32 (``sums_classifier_in_float32``).
-# Whole rows move ~14 bytes a logit outside the GEMMs against lean's ~6: lean is the faster
-# below D ~ 850 (G, H100: fast 1.38x compile's time, lean 1.10x). Fused chunks
-# (``fast_fuses_exp``) are faster than lean at every D measured (H200, session 19, wide fused
-# tiles: G AMP 14.50 ms against lean's 16.71 and compile's 14.99), but a 2-byte classifier
-# gradient summed over their chunks in its own dtype had 1.35x (G) and 1.58x (H)
-# torch.compile's error where lean has compile's (session 16). Summed in a float32 buffer it
-# has compile's (G bf16, H200, session 19: 15.02 ms, 1.01x compile's time at 0.196 of its
-# memory, error 2.55e-3 against 2.56e-3; lean 1.11x; H 1.05x against lean's 1.14x).
+# The narrowest hidden size at which auto prefers fast on a GPU with whole float32 rows (below
+# it their bytes cost more than lean's fourth GEMM); below it a fused fast run sums a 2-byte
+# classifier gradient in float32 (``sums_classifier_in_float32``). See bench/results/policy.md.
 MIN_FAST_DIM = 1024
 # The fewest rows per fast-mode chunk for auto to prefer fast over lean, for a float32
 # classifier gradient (AMP); half of it for a 2-byte one (module docstring).
@@ -68,31 +61,19 @@ MIN_FAST_ROWS = 1024
 MIN_FROZEN_FAST_ROWS = 256
 # The share of the budget a fast run's chunks may take without a classifier gradient (a frozen
 # head: LoRA, PEFT), unless the classifier is rounded (AMP), and never under the floor where
-# the whole budget holds it (``fast_chunk_rows``). With no gradient to re-read per chunk, rows
-# past a few hundred buy little time, so a frozen call's whole extra memory (chunks plus
-# compaction's copy of the kept rows, D / V of the logits) is 1/10 + D / (2 V) of the logits at
-# the default fraction (1/5): 0.116 at E. H200, session 17 (bench/results/frozen_head.md),
-# x compile's time / extra memory, half the budget against all of it: E bf16 0.98x / 0.109
-# against 0.97x / 0.193, B bf16 0.89x / 0.110 against 0.91x / 0.193 (H100: E 1.00x / 0.109
-# against 0.99x / 0.193, B 0.97x / 0.110 against 0.92x). Under AMP the classifier's rounded copy
-# (V x D x 2, not counted) dominates the memory, so halving the chunks saves little and cost E
-# 1.09x / 0.431 against 0.96x / 0.466: a rounded classifier keeps the whole budget.
+# the whole budget holds it (``fast_chunk_rows``): with no gradient to re-read per chunk, rows
+# past a few hundred buy little time. Measured: bench/results/policy.md.
 FROZEN_BUDGET_SHARE = 0.5
 # The fewest classes per lean backward slab (see lean_slab_columns): the accumulator's
 # traffic is ~8 N D V / w bytes against 6 N V D FLOPs, ~13% of the GEMMs' time at 2048 on an
 # H100-class GPU (~200 FLOP per byte), ~3% at 8192.
 MIN_SLAB_COLUMNS = 2048
 # The least work per lean backward slab, in multiply-adds of one of its three GEMMs (N x w x
-# D): ~0.3 ms of GEMMs on an H100-class GPU, about what the host takes to launch a slab (a
-# Triton kernel and two cuBLAS calls). Below it the backward waits on the host: shape C
-# (4096 x 2048 x 32000) took 16 slabs of 2048 classes at 2x its GPU time.
+# D): below it the GPU waits on the host's launches of each slab. Measured: bench/results/policy.md.
 MIN_SLAB_MACS = 2**35
 # The least work (N x V x D multiply-adds of one GEMM) for which skipping ignored rows pays on a
-# GPU: learning which rows count is a host synchronisation, after which the GPU waits on each of
-# the host's launches for the rest of the call. Below it the loss is host-bound and the sync
-# costs more than the skipped rows save: shape C (4096 x 2048 x 32000, 2^38) ran 9% slower with
-# 10% of its rows skipped and no faster with 50%; E (2^42) 6% and 47% faster (H200, session 11,
-# bench/results/sft_masking.md). On a CPU the sync costs nothing.
+# GPU: below it the host synchronisation costs more than the skipped rows save (on a CPU it
+# costs nothing). Measured: bench/results/policy.md.
 MIN_SKIP_MACS = 2**39
 # The narrowest GEMM tile (classes) that fast mode's fused GEMM takes on a GPU
 # (``implementations.triton_shared.fused_tile_config``, 256 or, where it falls back to lean's
@@ -187,8 +168,8 @@ def sums_classifier_in_float32(problem: Problem, needs_classifier: bool, fused: 
     chunks had 1.35-1.58x compile's error (lean: compile's), and the buffer is small (2 D / N of
     the logits' size: at G 256 MiB, ~1/3 of the default budget). And for a cross-half
     gradient at any D: its chunks' products are float32 anyway (``cross_half_gradient``), so
-    the buffer, counted, replaces an uncounted V x D temporary per chunk (break run, session
-    20: 550 MiB against a 300 MiB budget)."""
+    the buffer, counted, replaces an uncounted V x D temporary per chunk (550 MiB against a
+    300 MiB budget on an H200 before 5bd9acd)."""
     if not needs_classifier:
         return False
     if cross_half_gradient(problem):
@@ -337,8 +318,8 @@ def cpu_chunk_rows(vocab: int, budget: int) -> int:
 # Fast mode computes the gradients in the forward, for a unit upstream gradient, and the backward
 # scales them by the real one: a float16 gradient is rounded before that scale, so a sum later
 # divided by the token count overflows (a float32 sum over 65504) and a loss scaler's small
-# gradients flush to zero before its 2^16 could lift them (break run, session 19). bf16 has
-# float32's range. Lean mode computes them in the backward, with the upstream gradient, as
+# gradients flush to zero before its 2^16 could lift them (found by adversarial tests: 4f3e6ba).
+# bf16 has float32's range. Lean mode computes them in the backward, with the upstream gradient, as
 # PyTorch does.
 FLOAT16_FAST = (
     "mode='fast' computes float16 gradients (of a float16 hidden, classifier or bias) before the "

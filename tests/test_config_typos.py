@@ -1,4 +1,4 @@
-"""Settings that would otherwise be accepted and do nothing (found by the session-11 break run):
+"""Settings that would otherwise be accepted and do nothing (found by adversarial tests, d415d77):
 the start-up hook's setting changed in code, and a misspelt variable name."""
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def test_row_targets_counts_every_row_with_an_out_of_range_ignore_index(ignore_i
 def test_smoothed_weighted_mean_divides_each_term_as_pytorch_does(mode, weights):
     """Label smoothing with class weights, 'mean': PyTorch divides the nll and the smoothing
     term each by the targets' weight sum. With weights 0 at every target that is 0/0 + x/0 =
-    NaN; summing the terms first gave x/0 = +inf, a plausible wrong number (break run 15)."""
+    NaN; summing the terms first gave x/0 = +inf, a plausible wrong number (until 05c7832)."""
     import torch.nn.functional as F
 
     import cce_compile

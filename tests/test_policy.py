@@ -274,7 +274,7 @@ def test_a_narrow_head_sums_a_bf16_classifier_gradient_in_a_float32_buffer():
     for g in (
         Problem(rows=16384, vocab=131072, dim=512, logit_bytes=2),
         Problem(16384, 131072, 512, 2, rounds_hidden=True),
-        # bf16 weights under float16 autocast: rounded, but the gradient is bf16 (break run)
+        # bf16 weights under float16 autocast: rounded, but the gradient is bf16 (e8133ce)
         Problem(16384, 131072, 512, 2, True, True, rounded_classifier_bytes=2),
     ):
         assert policy.sums_classifier_in_float32(g, True, fused=True)
@@ -301,7 +301,7 @@ def test_a_narrow_head_sums_a_bf16_classifier_gradient_in_a_float32_buffer():
 def test_a_cross_half_gradient_is_summed_and_sliced_in_float32_and_counted():
     """bf16 weights under float16 autocast on a GPU: cuBLAS has no float16 -> bf16 product,
     so fast mode sums the gradient in a float32 buffer at every D (counted, with float32's
-    floor), and lean counts each slab's float32 product (break run, session 20: uncounted,
+    floor), and lean counts each slab's float32 product (uncounted before 5bd9acd:
     550 MiB against a 300 MiB budget)."""
     e = Problem(8192, 128256, 4096, 2, True, True, rounded_classifier_bytes=2)
     assert policy.cross_half_gradient(e)
@@ -351,7 +351,7 @@ def test_a_narrow_head_takes_fused_fast_where_no_bf16_gradient_sums_the_chunks(
     rounds_classifier, needs_classifier
 ):
     """Under AMP the float32 classifier gradient sums the chunks exactly, and a frozen head has
-    none: fused chunks, faster than lean at G (H200, session 19), are auto's choice there."""
+    none: fused chunks, faster than lean at G (H200, 13f080f), are auto's choice there."""
     g = Problem(16384, 131072, 512, 2, rounds_classifier, rounds_classifier)
     default = policy.budget_bytes(g, None, cce_compile.config.Settings().memory_fraction)
     assert choose(problem=g, budget=default, needs_classifier=needs_classifier) == "fast"
@@ -390,7 +390,7 @@ def test_rounding_is_counted_per_operand_alike_where_a_call_is_planned():
     (float32) classifier has a float32 gradient, a float32 bias rounded alone is neither. The
     mode choice (``decide.problem_of``) and the Triton path's plan (``triton_shared.problem``)
     disagreed on a bias rounded alone (a hidden copy and AMP's chunk floor counted that are not
-    there: review of session 16), and both counted a copy of a bf16 hidden beside a float32
+    there: found by a review, b84c7fa), and both counted a copy of a bf16 hidden beside a float32
     classifier, and a float32 gradient beside a float32 hidden, that are not there either."""
     import torch
 
@@ -419,7 +419,7 @@ def test_a_rounded_operand_costs_only_what_it_makes():
     """A bf16 hidden beside a float32 classifier: no copy of hidden; a float32 hidden beside a
     bf16 classifier: a bf16 classifier gradient, re-read at bf16's floor (512 rows, not
     1024). At N 8192, V 32000, D 2048 both fit fast chunks, which counting both operands as
-    rounded refused (review of session 16)."""
+    rounded refused (found by a review, b84c7fa)."""
     shape = dict(rows=8192, vocab=32000, dim=2048, logit_bytes=2)
     classifier_only = Problem(**shape, rounds_classifier=True)
     hidden_only = Problem(**shape, rounds_hidden=True)
@@ -437,7 +437,7 @@ def test_a_rounded_operand_costs_only_what_it_makes():
 def test_float16_gradients_keep_lean_and_refuse_an_explicit_fast(caplog):
     """Fast mode rounds its gradients for a unit upstream gradient, before the real one scales
     them: float16 ones overflow (a sum later divided) or flush to zero (a loss scaler's small
-    gradients) where PyTorch's do not (break run, session 19). Auto takes lean; an explicit
+    gradients) where PyTorch's do not (found in 4f3e6ba). Auto takes lean; an explicit
     'fast' is an error naming the mode; a configured one runs lean and says so once."""
     with pytest.raises(ValueError, match="mode='fast' computes float16 gradients"):
         choose("fast", explicit=True, float16_gradients=True)
@@ -474,7 +474,7 @@ def test_float16_gradients_keep_lean_and_refuse_an_explicit_fast(caplog):
 )
 def test_float16_gradients_are_those_asked_of_float16_inputs(dtypes, needs, float16):
     """A gradient comes in its input's dtype, whatever the compute dtype: float16 where a
-    float16 hidden, classifier or bias needs one (break runs: a float16 bias under a loss
+    float16 hidden, classifier or bias needs one (f7d0bc0's cases: a float16 bias under a loss
     scaler flushed to zero; frozen float16 features refused fast for a float32 gradient)."""
     import torch
 

@@ -48,9 +48,8 @@ def tile_config(
     # Measured on an H200 (bench/results/tune.md): 128 x 256 tiles, one per program, were the
     # fastest for the plain epilogue on shapes A, B and E (D >= 2304). Up to D = 2048 a tile
     # has few K steps and its epilogue is a larger share: 128 x 128 tiles on four warps let
-    # two programs share an SM, one's epilogue overlapping the other's main loop (forward
-    # 1.41-1.54x the matmul instead of 1.55-1.80x at D = 512-2048). With the heavy epilogue
-    # they would spill, so heavy keeps eight warps.
+    # two programs share an SM, one's epilogue overlapping the other's main loop. With the
+    # heavy epilogue they would spill, so heavy keeps eight warps.
     if heavy:
         return TileConfig(
             block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=4, tiles_per_program=1
@@ -72,11 +71,9 @@ def fused_tile_config(
 
     That kernel is persistent, one program per SM, so the small tiles that let two of lean's
     programs share an SM (``tile_config`` up to D = 2048) leave the SM half used: 128 x 256
-    tiles on eight warps, grouped 16 row tiles deep, were the fastest at every D measured (H200,
-    AMP chunks, x cuBLAS's bf16 GEMM of the chunk; bench/results/tune_fused.md, session 19):
-    D = 512 1.58x (small tiles 2.39x), 1024 1.38x (2.06x), 2048 1.18x (1.71x), 4096 1.24x
-    (1.28x with 8-deep groups). They are for 2-byte operands loaded by TMA, the form measured:
-    in float32 they take 320-448 KB of shared memory (the GPU test run, session 19), and loaded
+    tiles on eight warps, grouped 16 row tiles deep, were the fastest at every D measured, D =
+    512-4096 (bench/results/tune_fused.md). They are for 2-byte operands loaded by TMA, the form
+    measured: in float32 they overflow shared memory (bench/results/gpu_tests.md), and loaded
     by pointers they were not measured. Those, the heavy epilogue (label smoothing, class
     weights: it would spill) and the interpreter keep ``tile_config``'s."""
     if device.type == "cpu" or heavy or elem_bytes != 2 or not tma:

@@ -73,10 +73,10 @@ def _logits_exp_kernel(
     GROUP_N: tl.constexpr,
 ):
     # Persistent, one program per SM walking tiles num_programs apart, the loop flattened so
-    # that the compiler pipelines the next tile's loads under this tile's epilogue: 1.14x
-    # cuBLAS's bf16 GEMM at E's chunk on an H100, against 1.26x with a program per tile
-    # (bench/results/tune_fused.md). A data-dependent branch in the body (skipping the target
-    # select on tiles without a target) does not compile flattened on Triton 3.6.
+    # that the compiler pipelines the next tile's loads under this tile's epilogue: faster than
+    # a program per tile (bench/results/tune_fused.md). A data-dependent branch in the body
+    # (skipping the target select on tiles without a target) does not compile flattened on
+    # Triton 3.6.
     if HAS_ROW_LIMIT:  # rows known on the device only: the loop's bound comes from memory
         n_rows = tl.minimum(n_rows, tl.load(row_limit).to(tl.int32))
     num_tiles = tl.cdiv(n_rows, BLOCK_N) * tl.cdiv(vocab, BLOCK_V)

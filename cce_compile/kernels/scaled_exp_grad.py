@@ -13,7 +13,7 @@ except at the target, where p is exp(z_t - lse) from the float32 target logit: t
 entry, p_t - 1, is never built from a rounded e. Bytes per logit: one read and one write of
 the compute dtype. Reducing the partials here, not in a ``torch.logsumexp`` before the launch,
 spares each chunk several small kernels and their launches (no speed change was resolvable on
-an H200: bench/results/gpu_tests.md, session 17).
+an H200: bench/results/gpu_tests.md, 754105e).
 """
 
 from __future__ import annotations

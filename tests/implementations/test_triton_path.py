@@ -176,7 +176,7 @@ def test_fast_mode_with_exponentials_from_the_gemm(monkeypatch, options):
 
 def test_fast_mode_queues_the_first_gemm_before_building_the_coefficients(monkeypatch):
     """The GPU has nothing large to run until a call's first logits GEMM is queued, so the host
-    builds pass 2's per-row coefficients after it (H200, session 16: 0.8 ms off E's and C's
+    builds pass 2's per-row coefficients after it (bc5956c, H200: 0.8 ms off E's and C's
     step): once per call, after chunk 0's GEMM and before chunk 1's."""
     from cce_compile import policy
     from cce_compile.implementations import triton_fast
@@ -260,7 +260,7 @@ def test_fast_mode_waits_for_the_kept_rows_count_after_its_first_gemm(monkeypatc
 def test_fast_mode_with_exponentials_from_the_gemm_of_a_transposed_classifier(monkeypatch):
     """A head stored (D, V) and used transposed (Conv1D, ``h @ W``): the classifier's column
     stride is V. The fused GEMM needs unit column strides; it raised "h and classifier need
-    unit column strides" instead of computing (break run 15). Under autocast the rounded copy
+    unit column strides" instead of computing (until 12ac2d6). Under autocast the rounded copy
     keeps those strides, so the same line serves both."""
     from cce_compile import policy
     from cce_compile.implementations import triton_fast, triton_shared
@@ -367,9 +367,9 @@ def test_fused_chunks_sum_a_bf16_classifier_gradient_in_float32_below_min_fast_d
 @pytest.mark.parametrize("min_fast_dim", [1024, 16], ids=["narrow", "wide"])
 def test_a_bf16_classifier_under_float16_autocast_in_fast_mode(monkeypatch, min_fast_dim):
     """bf16 weights beside a float32 hidden under float16 autocast: the classifier is rounded,
-    but its gradient is bf16 (break run, session 19: summed in bf16 below MIN_FAST_DIM, 2x
-    float32 accumulation's error), and cuBLAS writes no float16 product into bf16 (a GPU error
-    in lean and fast until session 20; then an uncounted V x D float32 temporary per chunk):
+    but its gradient is bf16 (summed in bf16 below MIN_FAST_DIM it had 2x float32
+    accumulation's error), and cuBLAS writes no float16 product into bf16 (a GPU error in lean
+    and fast before e8133ce; then an uncounted V x D float32 temporary per chunk until 5bd9acd):
     at every D its chunks are summed in a float32 buffer, counted, and rounded once. The
     classifier's gradient against the oracle in its dtype; hidden's against lean mode's (the
     same float16 products of the gradient: 1.4-1.8e-3 from the oracle in both modes,
@@ -411,7 +411,7 @@ def test_sequences_apart_in_memory_leave_the_gaps_unread(monkeypatch, form, shif
     """hidden = base[:, :T] of a (B, T + 1, D) buffer, as a user's slice or Inductor's padded
     allocation of a slice (never written past T): the flat view of its positions took the gap
     rows as positions, and the classifier's gradient GEMM multiplied their zero gradients by
-    NaN in the gap: a NaN gradient where PyTorch's is finite (break run 15)."""
+    NaN in the gap: a NaN gradient where PyTorch's is finite (an adversarial test; cde5a52)."""
     from cce_compile import policy
     from cce_compile.implementations import triton_shared
 
@@ -487,7 +487,7 @@ def test_fast_mode_keeps_whole_rows_where_the_fused_form_cannot_serve(monkeypatc
 
 def test_a_policy_that_fuses_a_softcap_chunk_is_refused_not_computed(monkeypatch):
     """A fused chunk has no float32 logits for softcap's derivative: should the policy ever
-    fuse one (break run 18 forced it: a loss 0.98 off, wrong gradients), the call raises."""
+    fuse one (a test forced it: a loss 0.98 off, wrong gradients; ede328c), the call raises."""
     from cce_compile import policy
 
     monkeypatch.setattr(policy, "fast_fuses_exp", lambda *args: True)
@@ -600,7 +600,7 @@ def test_gpu_fused_tile_choice(dim, heavy, elem_bytes, tma, expected):
     """The fused logits GEMM is persistent (one program per SM): wide tiles at every D where
     they fit shared memory (2-byte operands by TMA), where lean's kernels take small ones up to
     D = 2048 (two programs per SM). The wide tiles by pointers, or in float32, took 256-448 KB
-    of an H200's 227 (session 19's GPU run)."""
+    of an H200's 227 (bench/results/gpu_tests.md, cf15073)."""
     from cce_compile.implementations import triton_shared
 
     config = triton_shared.fused_tile_config(

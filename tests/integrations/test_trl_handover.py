@@ -1,7 +1,7 @@
 """The TRL integration tells the user, once, at the default log level (WARNING), when it hands a
 call to TRL's own kernel: a trainer whose requests the op does not serve (DPO/KTO ask for
 ``log_sum_sq_probs`` / ``mean_logits``; GRPO/RLOO for ``("log_probs", "entropy")``) would
-otherwise get TRL's kernel on every call with nothing said (found by the session-11 review: it
+otherwise get TRL's kernel on every call with nothing said (found by a review, 11713e6: it
 was logged at INFO)."""
 
 from __future__ import annotations

@@ -66,8 +66,8 @@ STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.eE+na]+)\s+grad_norm:\s*([-\d.
 TIMEOUT_S = 300
 # A run that finished (torchtitan destroyed its process group) and whose rank then aborted in
 # C++ teardown: "terminate called without an active exception", a joinable std::thread
-# destroyed at exit. Seen in ~1 of 18 unfused and fused runs alike on 2 gloo CPU ranks (session
-# 17), so not the loss's doing; such a run is started once more, any other failure is not.
+# destroyed at exit. Seen in ~1 of 18 unfused and fused runs alike on 2 gloo CPU ranks (f748150,
+# 2026-11-28), so not the loss's doing; such a run is started once more, any other failure is not.
 FINISHED = "Process group destroyed"
 TEARDOWN_ABORT = "terminate called without an active exception"
 

@@ -1,6 +1,6 @@
 """Fast mode's gradient buffers, handed to autograd by the backward (ops._take_fast_gradients),
 under what a user does to ``.grad`` afterwards across retained backwards: in-place accumulation,
-zero_grad(set_to_none=False), in-place hooks. Found by session 12's adversarial run; the last
+zero_grad(set_to_none=False), in-place hooks. Found by adversarial tests (7ac0b31); the last
 test is PyTorch's own cache bug (xfail, strict), which plain F.linear + F.cross_entropy hits too."""
 
 from __future__ import annotations

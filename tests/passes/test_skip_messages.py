@@ -1,6 +1,6 @@
 """The pass's message for an unsupported op between the head and the loss gives LoRA advice only
 where that op is an addition to the logits (what an adapter on lm_head makes), not for code with
-no PEFT in it (found by the session-11 review: every such message carried it)."""
+no PEFT in it (found by a review, 11713e6: every such message carried it)."""
 
 from __future__ import annotations
 
