@@ -1,4 +1,4 @@
-"""The autograd fallback's route (decide.route): found by adversarial tests from a user's side (c94056a),
+"""The autograd fallback's route (decide.route): found by a user's-eye review (c94056a),
 each once a defect: float32 logits under autocast, a tensor softcap checked as a number is,
 and vmap over the targets alone.
 
