@@ -68,6 +68,15 @@ def _end_in_one_line(error: config.SettingsError) -> None:
     sys.excepthook = excepthook
 
 
+if config.torch_logs_names_cce():
+    # torch refuses a TORCH_LOGS name it does not know when it is imported: register 'cce'
+    # before (the start-up hook's .pth imports the package at interpreter start when
+    # TORCH_LOGS names cce). logs.py imports nothing of torch until torch loads.
+    from .passes import logs
+
+    logs.register_before_torch()
+
+
 try:  # the environment is read once, at the import of config
     config.get()
 except config.SettingsError as _error:

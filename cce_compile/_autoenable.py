@@ -1,43 +1,77 @@
-"""Start-up hook behind ``CCE_COMPILE=1``: enable the graph pass when torch is imported.
+"""Start-up hook behind ``CCE_COMPILE=1``: the pass for plain ``torch.compile``, at no cost to
+``import torch``.
 
 ``cce_compile_autoenable.pth`` (installed into site-packages) imports this module at
 interpreter start, and only when a ``CCE_*`` variable is set or ``TORCH_LOGS`` may name the
-pass's log (``config`` registers it before torch reads TORCH_LOGS): without either, no process
-imports cce_compile at start-up. It must stay cheap and harmless: it reads the settings (no torch
-import; a misspelt ``CCE_*`` name is reported then) and, only when CCE_COMPILE asks for the hook
-(CCE_COMPILE=0 does not), installs a finder that runs :func:`cce_compile.enable` right after
-``import torch`` finishes, so a script that never imports cce_compile still gets the pass for
-plain ``torch.compile(model)``. It never prints a traceback: a bad setting or a failure to
-enable is one line on stderr (only when CCE_COMPILE asks for the hook), and the script runs on.
+pass's log (the package registers it before torch reads TORCH_LOGS): without either, no process
+imports cce_compile at start-up. Importing it reads the settings (no torch; a misspelt
+``CCE_*`` name is reported then) and, only when CCE_COMPILE asks for the hook (CCE_COMPILE=0
+does not), installs a finder that wraps ``torch.compile`` right after ``import torch``
+finishes. Nothing of Dynamo or Inductor is imported then: processes that never compile
+(DataLoader workers, tools) pay nothing.
+
+The wrapper's first call runs :func:`cce_compile.enable` (which imports Inductor, as the
+compile is about to) and hands over to torch's own ``torch.compile``, which it puts back.
+``torch.compile(model)``, ``model.compile()``, ``torch.compiler.compile`` and the HF Trainer's
+``torch_compile=True`` (through accelerate) all call ``torch.compile`` and get the pass; code
+that calls Dynamo itself (``torch._dynamo.optimize``) calls ``cce_compile.enable()`` first.
+
+A bad setting, or a pass that cannot be installed, stops the program at that first
+``torch.compile`` with one line on stderr (a ``SystemExit``, which no ``except Exception``
+fallback to eager can swallow): a run asked to fuse never runs unfused. ``import torch`` itself
+never fails, and nothing prints a traceback.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
-import logging
 import sys
 
 from . import config
 
-log = logging.getLogger("cce_compile")
 
-
-def _enable() -> None:
+def _enable_or_exit() -> None:
     try:
         from .passes.install import enable
 
         enable()
-    except Exception as error:  # never break the user's `import torch`
-        log.warning(
-            "cce_compile: CCE_COMPILE=1 could not enable the pass: %s: %s",
-            type(error).__name__,
-            error,
-        )
+    except config.SettingsError as error:
+        raise SystemExit(
+            f"cce_compile: {error}; CCE_COMPILE=1 stops here rather than compile without the pass"
+        ) from None
+    except Exception as error:
+        raise SystemExit(
+            f"cce_compile: CCE_COMPILE=1 could not install the pass ({type(error).__name__}: "
+            f"{error}); unset CCE_COMPILE to compile without it"
+        ) from None
+
+
+def _wrap_compile(torch) -> None:
+    """Make torch.compile enable the pass at its first call."""
+    original = torch.compile
+    if getattr(original, "_cce_enables_the_pass", False):
+        return
+    enabled = False
+
+    @functools.wraps(original)
+    def compile(*args, **kwargs):
+        nonlocal enabled
+        if not enabled:
+            _enable_or_exit()  # raises again at the next call if it failed
+            enabled = True
+            if torch.compile is compile:
+                torch.compile = original
+        return original(*args, **kwargs)
+
+    compile._cce_enables_the_pass = True  # type: ignore[attr-defined]
+    torch.compile = compile
 
 
 class _AfterTorchImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps torch's loader so that _enable runs after torch loads."""
+    """Finds nothing itself; wraps torch's loader so that torch.compile is wrapped right after
+    torch loads."""
 
     def find_spec(self, name, path, target=None):
         if name != "torch":
@@ -51,23 +85,24 @@ class _AfterTorchImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             original_exec(module)
-            _enable()
+            _wrap_compile(module)
 
         loader.exec_module = exec_module
         return spec
 
 
 def install() -> None:
+    """Wrap torch.compile (now, or when torch is imported) if CCE_COMPILE asks for the hook.
+    A bad value, CCE_COMPILE's own included, is left for the first torch.compile to stop on."""
     if not config.auto_enable_requested():
         return
     try:
         if not config.get().auto_enable:
             return
-    except config.SettingsError as error:
-        log.warning("cce_compile: %s; CCE_COMPILE did not enable the pass", error)
-        return
+    except config.SettingsError:
+        pass
     if "torch" in sys.modules:
-        _enable()
+        _wrap_compile(sys.modules["torch"])
     elif not any(isinstance(f, _AfterTorchImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterTorchImport())
 

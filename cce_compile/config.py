@@ -5,7 +5,8 @@ dataclass read once at import; code changes them with :func:`override` (a contex
 tests and scoped use) or :func:`update`. Nothing here imports torch, so the start-up hook that
 ``CCE_COMPILE=1`` installs stays cheap. A bad value is a :class:`SettingsError` whose one-line
 message names the variable and its allowed values; it is raised when the settings are first
-used (``get()``), never at import, so that the start-up hook can report it in one line.
+used (``get()``), never at import, so that importing torch under the start-up hook never fails
+(its first torch.compile stops on it instead).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Settings:
     """What changes how the op computes and what the graph pass rewrites."""
 
     auto_enable: bool = _setting("CCE_COMPILE", False)
-    """CCE_COMPILE: install the graph pass for plain torch.compile at `import torch`."""
+    """CCE_COMPILE: install the graph pass for plain torch.compile at its first call."""
     mode: str = _rewrite("CCE_MODE", "auto")
     """CCE_MODE: 'lean' (recompute in backward), 'fast' (gradients during forward), 'auto'."""
     memory_fraction: float = _rewrite("CCE_MEMORY_FRACTION", 0.2)
@@ -231,19 +232,11 @@ _current, _environ_error = _from_process_environ()
 _warn_mistyped(os.environ)
 
 
-def torch_logs_names_cce(environ: Mapping[str, str]) -> bool:
-    """Does TORCH_LOGS name the pass's log (``cce``, ``+cce``)?"""
+def torch_logs_names_cce(environ: Mapping[str, str] = os.environ) -> bool:
+    """Does TORCH_LOGS name the pass's log (``cce``, ``+cce``)? (The package registers the
+    name then, before torch reads TORCH_LOGS: ``cce_compile/__init__.py``.)"""
     names = environ.get("TORCH_LOGS", "").split(",")
     return any(name.strip().lstrip("+-") == "cce" for name in names)
-
-
-if torch_logs_names_cce(os.environ):
-    # torch refuses a TORCH_LOGS name it does not know when it is imported: register 'cce'
-    # before (the start-up hook's .pth imports this module at interpreter start when
-    # TORCH_LOGS names cce).
-    from .passes import logs
-
-    logs.register_before_torch()
 
 
 def get() -> Settings:

@@ -1,6 +1,6 @@
 """No cce_compile import at all: run as `CCE_COMPILE=1 python examples/plain_compile_env.py`.
 
-The package's start-up hook installs the pass when torch is imported, so a plain
+The package's start-up hook installs the pass at the first torch.compile, so a plain
 torch.compile(fn) gets it. The counters show whether a site was rewritten (0 without
 CCE_COMPILE=1).
 """

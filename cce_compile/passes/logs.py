@@ -5,10 +5,10 @@
   ``cce_compile`` logger).
   ``TORCH_LOGS=+cce``: also each rewritten graph (DEBUG). ``cce`` is registered with torch's
   ``register_log`` when the pass is imported; named in ``TORCH_LOGS`` at start-up, it is
-  registered by ``config.py`` (which the start-up hook's .pth imports at interpreter start when
-  ``TORCH_LOGS`` names cce) as soon as ``torch._logging`` loads, before ``import torch`` reads
-  ``TORCH_LOGS`` and refuses names it does not know. ``TORCH_LOGS=cce_compile`` (the logger's
-  module name) needs neither.
+  registered by the package's ``__init__`` (which the start-up hook's .pth imports at
+  interpreter start when ``TORCH_LOGS`` names cce) as soon as ``torch._logging`` loads,
+  before ``import torch`` reads ``TORCH_LOGS`` and refuses names it does not know.
+  ``TORCH_LOGS=cce_compile`` (the logger's module name) needs neither.
 * ``TORCH_TRACE`` / tlparse: each pass run that finds a site leaves a structured artifact
   ``cce_compile_sites`` (JSON, one entry per site), and one that rewrites leaves
   ``cce_compile_rewritten_graph`` (the graph's code after the rewrite), as Inductor's passes

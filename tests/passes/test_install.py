@@ -311,3 +311,73 @@ def test_installed_wheel_imports_nothing_at_start_up_without_a_cce_variable(inst
     }
     assert runs[None].stdout.strip() == "[]", runs[None].stderr
     assert "cce_compile._autoenable" in runs["1"].stdout, runs["1"].stderr
+
+
+class _LossModule(torch.nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.w = torch.nn.Parameter(w.detach().clone())
+
+    def forward(self, x, y):
+        return loss(x, self.w, y)
+
+
+def test_the_start_up_hook_enables_the_pass_at_the_first_torch_compile(monkeypatch):
+    """CCE_COMPILE=1's hook wraps torch.compile when torch loads (here by hand, as torch is
+    loaded): its first call, from model.compile() here, installs the pass and puts torch's own
+    torch.compile back, and the compiled model fuses."""
+    from torch._dynamo.utils import counters
+
+    from cce_compile import _autoenable
+
+    own = torch.compile
+    monkeypatch.setattr(torch, "compile", own)  # put back after the test, whatever happens
+    cce_compile.disable()
+    _autoenable._wrap_compile(torch)
+    assert torch.compile is not own and not enabled()
+    x, w, y = small_inputs()
+    model = _LossModule(w)
+    torch._dynamo.reset()
+    before = counters["cce_compile"]["rewritten"]
+    model.compile()
+    assert enabled() and torch.compile is own
+    torch.testing.assert_close(model(x, y), loss(x, w, y))
+    assert counters["cce_compile"]["rewritten"] == before + 1
+
+
+def test_the_start_up_hook_stops_at_torch_compile_on_a_bad_setting(monkeypatch):
+    """A bad setting under CCE_COMPILE=1 is a SystemExit of one line at every torch.compile
+    (no `except Exception` fallback to eager swallows it), before anything compiles."""
+    from cce_compile import _autoenable, config
+
+    error = config.SettingsError("CCE_MODE='turbo' is not one of auto, lean, fast")
+    monkeypatch.setattr(config, "_environ_error", error)
+    monkeypatch.setattr(torch, "compile", torch.compile)
+    _autoenable._wrap_compile(torch)
+    for _ in range(2):
+        with pytest.raises(SystemExit) as stopped:
+            torch.compile(loss)
+        message = str(stopped.value.code)
+        assert message.startswith("cce_compile: CCE_MODE='turbo' is not one of") and (
+            "\n" not in message
+        )
+    assert not enabled()
+
+
+def test_import_torch_under_cce_compile_imports_neither_dynamo_nor_inductor():
+    """The hook costs `import torch` nothing: Dynamo and Inductor load at the first compile."""
+    code = (
+        "import json, sys, torch; print(json.dumps([sorted(m for m in sys.modules if "
+        "m.startswith(('torch._dynamo', 'torch._inductor'))), "
+        "getattr(torch.compile, '_cce_enables_the_pass', False)]))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CCE_")}
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env | {"CCE_COMPILE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [[], True], result.stderr
