@@ -50,7 +50,7 @@ test: install
 # Triton's interpreter) and run on the GPU only when named.
 GPU_KERNEL_TESTS = tests/kernels tests/implementations/test_triton_path.py \
 	tests/implementations/test_split_vocabulary.py tests/op/test_compaction.py \
-	tests/test_entropy_argmax.py tests/test_filtering.py
+	tests/test_row_metrics.py tests/test_filtering.py
 test-gpu:
 	$(PYTHON) -m pytest -q -p no:cacheprovider -m gpu tests $(PYTEST_ARGS)
 	$(PYTHON) -m pytest -q -p no:cacheprovider $(GPU_KERNEL_TESTS) $(PYTEST_ARGS)

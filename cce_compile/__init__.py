@@ -5,6 +5,7 @@ Public surface::
     torch.compile(model, backend=cce_compile.backend)   # or backend="cce"
     cce_compile.enable() / cce_compile.disable()        # plain torch.compile(model)
     cce_compile.linear_cross_entropy(hidden, classifier, targets, ...)
+    cce_compile.linear_log_probs(hidden, classifier, targets, temperature=..., ...)
     cce_compile.explain(fn_or_model, *args, **kwargs)
     with cce_compile.watch() as report: ...              # what the compiles in a block did
     cce_compile.config                                   # settings (docs/settings.md)
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "linear_cross_entropy": ("functional", "linear_cross_entropy"),
+    "linear_log_probs": ("functional", "linear_log_probs"),
     "backend": ("compile_backend", "backend"),
     "enable": ("passes.install", "enable"),
     "disable": ("passes.install", "disable"),
@@ -39,12 +41,13 @@ __all__ = [
     "enable",
     "explain",
     "linear_cross_entropy",
+    "linear_log_probs",
     "watch",
 ]
 
 if TYPE_CHECKING:
     from .compile_backend import backend
-    from .functional import linear_cross_entropy
+    from .functional import linear_cross_entropy, linear_log_probs
     from .passes.install import disable, enable
     from .passes.report import explain, watch
 

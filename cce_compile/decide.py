@@ -26,7 +26,7 @@ import operator
 import torch
 from torch import Tensor
 
-from . import config, policy
+from . import config, policy, row_metrics
 from .loss_math import LossSpec, check_targets_in_range, row_targets
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -364,6 +364,8 @@ def mode(
     entropy: bool = False,
     argmax: bool = False,
     split: bool = False,
+    entropy_has_grad: bool = False,
+    lean_metrics: tuple[str, ...] = (),
 ) -> str:
     """The concrete mode ('lean' or 'fast') of a call: ``requested`` (None: the configured
     mode; a requested mode is explicit: 'fast' where it cannot apply is an error), lean under
@@ -371,15 +373,24 @@ def mode(
     grad flags, ``gradients_asked``); ``softcap`` ... ``split``: what a fast run would compute
     (a softcap, the entropy, the argmax, over a vocabulary shard), which sets its chunks'
     form (``policy.fast_needs_whole_rows``). ``dtypes``: hidden's, the classifier's and the
-    bias's (None without one), the dtypes of their gradients."""
+    bias's (None without one), the dtypes of their gradients. ``lse_has_grad`` /
+    ``entropy_has_grad``: the returned lse / entropy takes a gradient (fast mode's buffers hold
+    only the loss's); ``lean_metrics``: row metrics asked that only lean mode computes
+    (``lean_only_metrics``)."""
     explicit = requested is not None
+    if lean_metrics:
+        if requested == "fast":
+            raise ValueError(
+                f"mode='fast' computes no {', '.join(lean_metrics)}: use mode='lean' or 'auto'"
+            )
+        requested = "lean"
     requested = "lean" if grad_filter is not None else requested or config.get().mode
     return policy.choose_mode(
         requested,
         reduction=reduction,
         needs_grad=any(needs.values()),
         needs_classifier=needs["grad_classifier"],
-        lse_has_grad=lse_has_grad,
+        outputs_have_grad=lse_has_grad or entropy_has_grad,
         problem=problem,
         budget=budget_bytes(problem),
         explicit=explicit,
@@ -387,6 +398,13 @@ def mode(
             softcap=softcap, entropy=entropy, argmax=argmax, split=split
         ),
         float16_gradients=_float16_gradients(needs, dtypes),
+    )
+
+
+def lean_only_metrics(names) -> tuple[str, ...]:
+    """Of the row metrics ``names`` (row_metrics.py), those fast mode does not compute."""
+    return tuple(
+        name for name in names if not row_metrics.BY_NAME[name].stats <= policy.FAST_EXTRA_STATS
     )
 
 

@@ -1,4 +1,4 @@
-"""The public function: ``cce_compile.linear_cross_entropy``.
+"""The public functions: ``cce_compile.linear_cross_entropy`` and ``linear_log_probs``.
 
 It asks ``decide`` whether its arguments are valid, what autocast gives the head, the mode and
 the rest of the call's choices, and calls the op (``op.custom_ops``). Where the op's autograd
@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import torch
 from torch import Tensor
 
-from . import decide
+from . import decide, row_metrics
 from .implementations import autograd_fallback
 from .implementations.interface import HeadInputs
 from .loss_math import LossSpec
@@ -28,11 +29,17 @@ _warned: set[str] = set()
 
 @dataclasses.dataclass(frozen=True)
 class _Wanted:
-    """The outputs a caller asks for besides the loss."""
+    """The outputs a caller asks for besides the loss: the lse, and row metrics by name
+    (row_metrics.py), returned in that table's order."""
 
     lse: bool = False
-    entropy: bool = False
-    argmax: bool = False
+    metrics: tuple[str, ...] = ()
+
+    @staticmethod
+    def of(return_lse: bool, **flags: bool) -> _Wanted:
+        """From the public ``return_<metric>`` flags."""
+        names = tuple(m.name for m in row_metrics.METRICS if flags.get(m.flag))
+        return _Wanted(bool(return_lse), names)
 
 
 def linear_cross_entropy(
@@ -54,6 +61,8 @@ def linear_cross_entropy(
     grad_filter: float | None = None,
     return_entropy: bool = False,
     return_argmax: bool = False,
+    return_log_sum_sq_probs: bool = False,
+    return_mean_logits: bool = False,
 ) -> Tensor | tuple[Tensor, ...]:
     """Cross-entropy of ``hidden @ classifier.T (+ bias)`` against ``targets``, no logits stored.
 
@@ -89,9 +98,14 @@ def linear_cross_entropy(
             unweighted mean over non-ignored rows for 'mean').
         return_lse: also return the per-row log-sum-exp of the (capped) logits, differentiable.
         return_entropy: also return each row's entropy of the softmax, lse - sum_j p_j z_j
-            (float32, no gradient: a metric), computed in the same pass; 0 at ignored rows.
+            (float32), computed in the same pass; 0 at ignored rows. Differentiable (an RL
+            entropy bonus): its gradient is computed in the backward's recompute.
         return_argmax: also return each row's first class of the largest logit (int64, as
             torch.argmax; token accuracy is ``argmax == targets``); -1 at ignored rows.
+        return_log_sum_sq_probs: also return each row's log sum_j p_j^2 (float32, no
+            gradient; WPO's weight); 0 at ignored rows. Lean mode only.
+        return_mean_logits: also return each row's mean logit sum_j z_j / V (float32, no
+            gradient; DPO's and KTO's logged metric); 0 at ignored rows. Lean mode only.
         mode: 'lean', 'fast' or 'auto'; None takes the configured mode (CCE_MODE).
         grad_filter: gradient filtering (filtering.py; lean mode): each row may drop the
             softmax term of its lightest blocks of 256 classes up to this much probability
@@ -101,15 +115,82 @@ def linear_cross_entropy(
     Returns:
         The loss (float32): a scalar, or for 'none' ``targets``' shape with ``shift`` fewer
         steps (0 at ignored rows); then where asked, in this order, the lse (valid at ignored
-        rows too), the entropy and the argmax, shaped like a 'none' loss. Forward-mode AD and
+        rows too), the entropy, the argmax, the log sum p^2 and the mean logit, shaped like a
+        'none' loss. Forward-mode AD and
         functorch transforms are served by PyTorch's autograd (docs/semantics.md).
     """
     decide.check_tensors(hidden, classifier, targets, bias, class_weights)
     options = (ignore_index, reduction, label_smoothing, softcap, logit_scale, shift, z_loss)
     spec = decide.loss_spec(hidden, *options)
-    wanted = _Wanted(bool(return_lse), bool(return_entropy), bool(return_argmax))
+    wanted = _Wanted.of(
+        return_lse,
+        return_entropy=return_entropy,
+        return_argmax=return_argmax,
+        return_log_sum_sq_probs=return_log_sum_sq_probs,
+        return_mean_logits=return_mean_logits,
+    )
     tensors = (hidden, classifier, targets, bias, class_weights)
     return _loss(tensors, spec, (logit_scale, softcap), wanted, mode, grad_filter)
+
+
+def linear_log_probs(
+    hidden: Tensor,
+    classifier: Tensor,
+    targets: Tensor,
+    bias: Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    shift: int = 0,
+    return_entropy: bool = False,
+    mode: str | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Per-token log-probabilities of ``targets`` (and the entropy), no logits stored: what RL
+    and preference training take from a policy, an old policy or a reference model.
+
+    Equals, value and gradients, the float32 math of::
+
+        z = softcap * tanh(logit_scale * F.linear(hidden, classifier, bias) / softcap) / T
+        log_probs = z.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+        entropy = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
+
+    with the temperature T after the softcap, as TRL and verl apply it (it folds exactly into
+    the op's scale and cap: softcap_c(s y) / T = softcap_{c/T}(s y / T)).
+
+    Args:
+        hidden, classifier, targets, bias, ignore_index, shift, mode: as in
+            ``linear_cross_entropy``.
+        temperature: a finite number > 0.
+        return_entropy: also return each token's entropy, differentiable (an entropy bonus).
+
+    Returns:
+        log_probs (float32, ``targets``' shape with ``shift`` fewer steps; 0 at ignored
+        targets), and the entropy shaped alike (0 there too). Without a gradient (old and
+        reference log-probs) the op runs its forward only: one GEMM's pass, nothing saved.
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+    if not 0.0 < temperature < math.inf:
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    outputs = linear_cross_entropy(
+        hidden,
+        classifier,
+        targets,
+        bias,
+        ignore_index=ignore_index,
+        reduction="none",
+        softcap=None if softcap is None else softcap / temperature,
+        logit_scale=logit_scale / temperature,
+        shift=shift,
+        return_entropy=return_entropy,
+        mode=mode,
+    )
+    if not return_entropy:
+        return -outputs
+    loss, entropy = outputs
+    return -loss, entropy
 
 
 def _loss(tensors, spec: LossSpec, scalars, wanted: _Wanted, mode, grad_filter):
@@ -148,8 +229,10 @@ def _call_op(tensors, compute_dtype, spec: LossSpec, wanted: _Wanted, mode, grad
         grad_filter=grad_filter,
         lse_has_grad=wanted.lse and torch.is_grad_enabled(),
         softcap=bool(spec.softcap),
-        entropy=wanted.entropy,
-        argmax=wanted.argmax,
+        entropy="entropy" in wanted.metrics,
+        argmax="argmax" in wanted.metrics,
+        entropy_has_grad="entropy" in wanted.metrics and torch.is_grad_enabled(),
+        lean_metrics=decide.lean_only_metrics(wanted.metrics),
     )
     output = torch.ops.cce.linear_cross_entropy(
         *FORWARD.build(
@@ -161,22 +244,22 @@ def _call_op(tensors, compute_dtype, spec: LossSpec, wanted: _Wanted, mode, grad
             implementation_version=_ops.IMPLEMENTATION_VERSION,
             grad_filter=grad_filter,
             skip_ignored=decide.compacts_ignored_rows(),
-            return_entropy=wanted.entropy,
-            return_argmax=wanted.argmax,
+            **{row_metrics.BY_NAME[name].flag: True for name in wanted.metrics},
         )
     )
     out = FORWARD_RETURNS.unpack(output)
-    wanted_outputs = (("lse", wanted.lse), ("entropy", wanted.entropy), ("argmax", wanted.argmax))
-    return (out.loss, *(getattr(out, name) for name, asked in wanted_outputs if asked))
+    names = (("lse",) if wanted.lse else ()) + wanted.metrics
+    return (out.loss, *(getattr(out, name) for name in names))
 
 
 def _fallback(tensors, compute_dtype, spec: LossSpec, scalars, wanted: _Wanted, route: str):
     """(loss, lse if wanted) by PyTorch's autograd over chunked float32 logits
     (``autograd_fallback``), said once."""
-    if wanted.entropy or wanted.argmax:
+    if wanted.metrics:
+        flags = ", ".join(row_metrics.BY_NAME[name].flag for name in wanted.metrics)
         raise NotImplementedError(
-            f"return_entropy / return_argmax are not served under {route}: call "
-            "linear_cross_entropy without them there, or compute the metrics outside it"
+            f"{flags} not served under {route}: call linear_cross_entropy without them there, "
+            "or compute the metrics outside it"
         )
     _say_once(route)
     hidden, classifier, targets, bias, class_weights = tensors

@@ -19,11 +19,15 @@ reduced the same way except that 'mean' divides it by the number of non-ignored 
 unweighted mean, as PaLM and OLMo define it).
 
 The gradient with respect to z is, with p = softmax(z) and upstream factors ``a`` (for ce),
-``b`` (for the z-loss) and ``g`` (the gradient of the returned lse, if any)::
+``b`` (for the z-loss), ``g`` (the gradient of the returned lse, if any) and ``h`` (that of
+the returned entropy H_i = -sum_j p_ij log p_ij, if any)::
 
-    dz_ij = coef_p_i * p_ij - coef_t_i * [j == t] - coef_w_i * w_j
-    coef_p_i = a_i * ((1 - eps) * w_t + eps / V * W) + 2 * z_loss * b_i * lse_i + g_i
-    coef_t_i = a_i * (1 - eps) * w_t,     coef_w_i = a_i * eps / V
+    dz_ij = (coef_p_i + coef_e_i * log p_ij) * p_ij - coef_t_i * [j == t] - coef_w_i * w_j
+    coef_p_i = a_i * ((1 - eps) * w_t + eps / V * W) + 2 * z_loss * b_i * lse_i + g_i - h_i * H_i
+    coef_t_i = a_i * (1 - eps) * w_t,     coef_w_i = a_i * eps / V,     coef_e_i = -h_i
+
+(dH_i / dz_ij = -p_ij (log p_ij + H_i); log p_ij = z_ij - lse_i is what the kernels already
+subtract before the exponential, so the entropy's term costs one multiply-add per logit.)
 """
 
 from __future__ import annotations
@@ -254,6 +258,38 @@ def row_coefficient_parts(
     return CoefficientParts(p_base, p_per_lse, coef_t, coef_w)
 
 
+@dataclasses.dataclass
+class RowCoefficients:
+    """Per-row coefficients of dz = (p + e * log p) * softmax - t * onehot - w * class weight
+    (the module docstring), each (N,) float32; ``e`` is None without an entropy gradient."""
+
+    p: torch.Tensor
+    t: torch.Tensor
+    w: torch.Tensor
+    e: torch.Tensor | None = None
+
+    def rows(self, start: int, stop: int) -> RowCoefficients:
+        return self.mapped(lambda c: c[start:stop])
+
+    def mapped(self, fn) -> RowCoefficients:
+        """Each coefficient vector through ``fn`` (a slice, or rows to positions)."""
+        vectors = (self.p, self.t, self.w, self.e)
+        return RowCoefficients(*(None if c is None else fn(c) for c in vectors))
+
+    def active(self) -> torch.Tensor:
+        """bool (N,): rows whose gradient is not zero (NaN coefficients count as active)."""
+        active = (self.p != 0) | (self.t != 0) | (self.w != 0)
+        return active if self.e is None else active | (self.e != 0)
+
+
+@dataclasses.dataclass
+class EntropyGradient:
+    """The returned entropy's upstream gradient and the entropy itself, (N,) each."""
+
+    grad: torch.Tensor
+    entropy: torch.Tensor
+
+
 def row_coefficients(
     grad_loss: torch.Tensor | None,
     grad_lse: torch.Tensor | None,
@@ -262,17 +298,23 @@ def row_coefficients(
     spec: LossSpec,
     vocab: int,
     lse_all_rows: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row (coef_p, coef_t, coef_w) of dz = coef_p * p - coef_t * onehot - coef_w * w.
+    entropy: EntropyGradient | None = None,
+) -> RowCoefficients:
+    """Per-row coefficients of dz (the module docstring).
 
     Without ``lse_all_rows`` an ignored row's lse was returned as the constant 0, so its
-    gradient carries nothing back.
+    gradient carries nothing back; the returned entropy is 0 at ignored rows always.
     """
     if grad_lse is not None and not lse_all_rows:
         grad_lse = torch.where(rows.valid, grad_lse, 0.0)
     parts = row_coefficient_parts(grad_loss, grad_lse, rows, spec, vocab)
     coef_p = parts.p_base if parts.p_per_lse is None else parts.p_base + parts.p_per_lse * lse
-    return coef_p, parts.coef_t, parts.coef_w
+    coef_e = None
+    if entropy is not None:
+        coef_e = torch.where(rows.valid, -entropy.grad.float(), 0.0)
+        # where(): an ignored row's entropy is a placeholder 0 with no gradient to carry.
+        coef_p = coef_p + torch.where(rows.valid, coef_e * entropy.entropy.float(), 0.0)
+    return RowCoefficients(coef_p, parts.coef_t, parts.coef_w, coef_e)
 
 
 def check_targets_in_range(rows: RowTargets, vocab: int) -> None:

@@ -192,6 +192,11 @@ def fast_fixed_bytes(problem: Problem, needs_classifier: bool = True, fused: boo
     return rounded_hidden_bytes(problem) + (buffer if summed else 0)
 
 
+# The RowStats extras (implementations.interface.EXTRA_STATS) fast mode's chunks compute; a
+# call asking for another row metric (log sum p^2, the mean logit) runs lean.
+FAST_EXTRA_STATS = frozenset({"mean_z", "argmax"})
+
+
 def fast_needs_whole_rows(*, softcap: bool, entropy: bool, argmax: bool, split: bool) -> bool:
     """Does a fast-mode chunk need its float32 logits, not only their scaled exponentials?
     For softcap's derivative, the entropy, the argmax, or a vocabulary shard's statistics."""
@@ -340,7 +345,7 @@ def choose_mode(
     reduction: str,
     needs_grad: bool,
     needs_classifier: bool,
-    lse_has_grad: bool,
+    outputs_have_grad: bool,
     problem: Problem,
     budget: int,
     explicit: bool = False,
@@ -350,7 +355,9 @@ def choose_mode(
     """The concrete mode ('lean' or 'fast') for one call.
 
     ``explicit`` marks a mode the caller passed as an argument: asking for 'fast' where it
-    cannot apply is then an error rather than a quiet fall-back to 'lean'. ``whole_rows``:
+    cannot apply is then an error rather than a quiet fall-back to 'lean'.
+    ``outputs_have_grad``: an output besides the loss (the lse, the entropy) takes a gradient,
+    which fast mode's buffers do not hold (its backward recomputes that part). ``whole_rows``:
     a fast run would need whole float32 rows (``fast_needs_whole_rows``).
     ``float16_gradients``: a gradient the call returns is float16 (``FLOAT16_FAST``).
     """
@@ -366,7 +373,7 @@ def choose_mode(
         return "lean"
     if requested in ("lean", "fast"):
         return requested
-    if not needs_grad or reduction == "none" or lse_has_grad or float16_gradients:
+    if not needs_grad or reduction == "none" or outputs_have_grad or float16_gradients:
         return "lean"
     fused = fast_fuses_exp(problem, whole_rows)
     return "fast" if fast_fits(problem, needs_classifier, budget, fused) else "lean"

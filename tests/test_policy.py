@@ -20,7 +20,7 @@ FUSED_ROW = policy.fast_row_bytes(E, fused=True)  # bf16 scaled exponentials fro
 
 
 def choose(requested="auto", problem=E, budget=BIG, **overrides):
-    args = dict(reduction="mean", needs_grad=True, needs_classifier=True, lse_has_grad=False)
+    args = dict(reduction="mean", needs_grad=True, needs_classifier=True, outputs_have_grad=False)
     args.update(overrides)
     return choose_mode(requested, problem=problem, budget=budget, **args)
 
@@ -59,7 +59,7 @@ def test_the_floor_scales_with_the_classifier_gradients_element_size():
     [
         dict(reduction="none"),
         dict(needs_grad=False),
-        dict(lse_has_grad=True),
+        dict(outputs_have_grad=True),
         dict(budget=(policy.fast_floor_rows(E, True) - 1) * FUSED_ROW),
         dict(budget=(policy.fast_floor_rows(E, True) - 1) * ROW, whole_rows=True),
     ],
@@ -161,7 +161,7 @@ def test_a_frozen_classifier_under_autocast_takes_fast_beside_autocasts_own_copy
 
 def test_explicit_modes():
     assert choose("lean") == "lean"
-    assert choose("fast", lse_has_grad=True) == "fast"  # still exact, only slower
+    assert choose("fast", outputs_have_grad=True) == "fast"  # still exact, only slower
     assert choose("fast", reduction="none") == "lean"  # configured: falls back
     with pytest.raises(ValueError, match="fast"):
         choose("fast", reduction="none", explicit=True)

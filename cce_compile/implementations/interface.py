@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from ..loss_math import LossSpec, RowTargets
+from ..loss_math import LossSpec, RowCoefficients, RowTargets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +48,14 @@ class ForwardOut:
     grad_bias: torch.Tensor | None = None
     keep_blocks: torch.Tensor | None = None  # gradient filtering: (N, blocks) uint8
     row_index: torch.Tensor | None = None  # the rows computed on (compaction.py), int64
-    entropy: torch.Tensor | None = None  # (N,) float32 with ``entropy``: lse - sum_j p_j z_j
-    argmax: torch.Tensor | None = None  # (N,) int64 with ``argmax``: first largest logit
+    # Fast mode: the rows' statistics with the extras asked for (the row metrics' sources).
+    stats: RowStats | None = None
+    # The op's row metrics by name (row_metrics.py), (N,) each: filled by the dispatcher.
+    metrics: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 Gradients = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
-Coefficients = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (coef_p, coef_t, coef_w), (N,)
+Coefficients = RowCoefficients  # dz's per-row coefficients (loss_math owns their math)
 
 
 @dataclasses.dataclass
@@ -64,8 +66,16 @@ class RowStats:
     target_logit: torch.Tensor  # (N,) float32 z_it, 0 where t is not among the classes
     wsum: torch.Tensor | None  # (N,) float32 sum_j w_j z_ij, with label smoothing only
     block_lse: torch.Tensor | None = None  # (blocks, N) per block of classes (filtering.py)
-    mean_z: torch.Tensor | None = None  # (N,) float32 sum_j p_j z_ij, with ``mean_z``
+    # The extras (EXTRA_STATS), each only where asked for:
+    mean_z: torch.Tensor | None = None  # (N,) float32 sum_j p_j z_ij
     argmax: torch.Tensor | None = None  # (N,) int64 first class of the largest logit
+    lse_2z: torch.Tensor | None = None  # (N,) float32 logsumexp_j 2 z_ij
+    zsum: torch.Tensor | None = None  # (N,) float32 sum_j z_ij (unweighted)
+
+
+# The RowStats fields an implementation computes only when a call names them ("extras"; fast
+# mode computes policy.FAST_EXTRA_STATS of them).
+EXTRA_STATS = frozenset({"mean_z", "argmax", "lse_2z", "zsum"})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -153,14 +163,12 @@ class Implementation(Protocol):
         *,
         all_rows: bool,
         block_lse: bool = False,
-        mean_z: bool = False,
-        argmax: bool = False,
+        extras: frozenset[str] = frozenset(),
     ) -> RowStats:
         """lse, target logit and (with smoothing) weighted sum of each row's logits over the
-        head's classes (and with ``block_lse`` per block of classes, for filtering; with
-        ``mean_z`` the mean logit under the softmax, with ``argmax`` the first class of the
-        largest logit, for the op's entropy and argmax outputs). Without ``all_rows``,
-        ignored rows' statistics may be skipped."""
+        head's classes (and with ``block_lse`` per block of classes, for filtering; and the
+        ``RowStats`` fields named in ``extras``, a subset of EXTRA_STATS, for the op's row
+        metrics). Without ``all_rows``, ignored rows' statistics may be skipped."""
 
     def gradients(
         self,
@@ -171,8 +179,9 @@ class Implementation(Protocol):
         needs: Needs,
         keep_blocks: torch.Tensor | None = None,
     ) -> Gradients:
-        """Gradients from dz = coef_p * exp(z - lse) - coef_t * onehot - coef_w * w over the
-        head's classes: hidden's in float32 (a partial sum when the vocabulary is split), the
+        """Gradients from dz = (coef_p + coef_e * (z - lse)) * exp(z - lse) - coef_t * onehot
+        - coef_w * w (``coefs``; no coef_e term without an entropy gradient) over the head's
+        classes: hidden's in float32 (a partial sum when the vocabulary is split), the
         classifier's and bias's for those classes (float32 or the inputs' dtype).
         ``keep_blocks``: gradient filtering's mask (filtering.py)."""
 
@@ -182,15 +191,15 @@ class Implementation(Protocol):
         rows: RowTargets,
         *,
         needs: Needs,
-        entropy: bool = False,
-        argmax: bool = False,
+        extras: frozenset[str] = frozenset(),
         split: SplitVocabulary | None = None,
         kept: KeptRows | None = None,
     ) -> ForwardOut:
         """Fast mode, over the whole vocabulary (``col_start`` 0): loss, lse and the gradients
         in ``needs`` for a unit upstream gradient of the loss, each in its input's dtype (the
-        op hands them to autograd as they are), from the same chunks of logits (and each
-        row's entropy and argmax where asked, every row's: the caller masks ignored ones).
+        op hands them to autograd as they are), from the same chunks of logits (and in
+        ``stats`` each row's ``extras``, a subset of policy.FAST_EXTRA_STATS, every row's:
+        the caller masks ignored ones).
 
         ``kept`` (only for an implementation that provides ``kept_first``; never with
         ``split``): the head's rows are in compaction's kept-first order, shift 0, and the
@@ -200,7 +209,7 @@ class Implementation(Protocol):
         vocabulary's): per chunk, the shard's statistics, ``split.combine`` (one collective),
         then the gradient with the whole vocabulary's lse. Loss and lse are the whole
         vocabulary's; hidden's gradient is this shard's partial sum, in float32 (it is reduced
-        over the ranks before its one rounding); no entropy or argmax."""
+        over the ranks before its one rounding); no extras."""
 
     def scale_(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """x *= scale in place with float32 math and one rounding; ``scale`` is a 0-d

@@ -34,7 +34,7 @@ import torch
 
 from .. import filtering
 from ..loss_math import LossSpec, RowTargets, finish_loss, row_coefficients
-from ..policy import cpu_chunk_rows
+from ..policy import FAST_EXTRA_STATS, cpu_chunk_rows
 from .interface import (
     Coefficients,
     ForwardOut,
@@ -55,6 +55,7 @@ TILE_ELEMENTS = 1 << 19
 # complete (filtering.py).
 SLAB_ALIGN = filtering.FILTER_BLOCK
 LOG2_E = 1.0 / math.log(2.0)
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class _Rows:
@@ -136,31 +137,52 @@ def _tile_lse_(z: torch.Tensor) -> torch.Tensor:
 
 
 class _Extras:
-    """Each row's mean logit under its softmax and first largest logit's class, when asked
-    (the op's entropy and argmax outputs), combined over a row's slabs of classes: each slab
-    gives the mean under its own softmax, weighted by its share exp(lse_slab - lse) of the
-    row's, and its first largest logit, which a later slab replaces only if larger."""
+    """The per-row statistics beyond the lse that a call asks for (``RowStats``' ``mean_z``,
+    ``argmax``, ``lse_2z``, ``zsum``: the op's row metrics), combined over a row's slabs of
+    classes: each slab gives the mean under its own softmax, weighted by its share
+    exp(lse_slab - lse) of the row's; its first largest logit, which a later slab replaces only
+    if larger; its logsumexp of 2 z and its plain sum, added."""
 
-    def __init__(self, n_rows: int, device: torch.device, mean_z: bool, argmax: bool):
-        def empty(wanted, dtype=torch.float32):
-            return torch.empty(n_rows, dtype=dtype, device=device) if wanted else None
+    def __init__(self, n_rows: int, device: torch.device, wanted: frozenset[str]):
+        def empty(name, dtype=torch.float32):
+            return torch.empty(n_rows, dtype=dtype, device=device) if name in wanted else None
 
-        self.mean_z, self.lse = empty(mean_z), empty(mean_z)  # lse: of the slabs so far
-        self.argmax, self.top = empty(argmax, torch.int64), empty(argmax)
+        self.mean_z, self.lse = empty("mean_z"), empty("mean_z")  # lse: of the slabs so far
+        self.argmax, self.top = empty("argmax", torch.int64), empty("argmax")
+        self.lse_2z, self.zsum = empty("lse_2z"), empty("zsum")
 
     def add(self, z: torch.Tensor, rows: tuple[int, int], col_start: int) -> None:
         """One tile's logits, left intact (``col_start`` 0: its row block's first slab)."""
         r0, r1 = rows
+        first = col_start == 0
         if self.mean_z is not None:
-            self._add_mean(z, self.mean_z[r0:r1], self.lse[r0:r1], first=col_start == 0)
+            self._add_mean(z, self.mean_z[r0:r1], self.lse[r0:r1], first=first)
         if self.argmax is not None:
             top, index = z.max(dim=-1)  # the first of tied largest logits, as argmax
-            if col_start == 0:
+            if first:
                 self.top[r0:r1], self.argmax[r0:r1] = top, index
             else:
                 larger = top > self.top[r0:r1]
                 torch.where(larger, top, self.top[r0:r1], out=self.top[r0:r1])
                 torch.where(larger, index + col_start, self.argmax[r0:r1], out=self.argmax[r0:r1])
+        if self.lse_2z is not None:
+            slab, part = torch.logsumexp(z * 2.0, dim=-1), self.lse_2z[r0:r1]
+            if first:
+                part.copy_(slab)
+            else:
+                torch.logaddexp(part, slab, out=part)
+        if self.zsum is not None:
+            slab, part = z.sum(dim=-1), self.zsum[r0:r1]
+            if first:
+                part.copy_(slab)
+            else:
+                part.add_(slab)
+
+    def stats_into(self, stats: RowStats) -> RowStats:
+        """``stats`` with these statistics filled in."""
+        return dataclasses.replace(
+            stats, mean_z=self.mean_z, argmax=self.argmax, lse_2z=self.lse_2z, zsum=self.zsum
+        )
 
     @staticmethod
     def _add_mean(z, mean_z, lse, first: bool) -> None:
@@ -237,7 +259,7 @@ def _finish_grad_(
     keep: torch.Tensor | None,
 ) -> torch.Tensor:
     """From the tile's softmax term coef_p * p to d loss / d (h @ c.T + b), in place."""
-    _, coef_t, coef_w = coefs
+    coef_t, coef_w = coefs.t, coefs.w
     if keep is not None:
         grad.mul_(keep)
     grad.scatter_add_(1, columns.index[:, None], torch.where(columns.hit, -coef_t, 0.0)[:, None])
@@ -267,7 +289,13 @@ def _grad_from_logits(
     ``keep`` (n, cols) bool: gradient filtering drops the softmax term elsewhere;
     ``tanh_out``: room for the softcap's derivative."""
     tanh_grad = _tanh_grad(z, spec, tanh_out)
-    grad = _exp_(z.sub_(shift[:, None])).mul_(coefs[0][:, None])
+    log_p = z.sub_(shift[:, None])
+    if coefs.e is None:
+        grad = _exp_(log_p).mul_(coefs.p[:, None])
+    else:  # the entropy's term: (coef_p + coef_e * log p) * p
+        # Clamped: a row without gradient has log p = -inf, and 0 * -inf would be NaN.
+        factor = log_p.clamp(min=-_FLOAT32_MAX).mul_(coefs.e[:, None]).add_(coefs.p[:, None])
+        grad = _exp_(log_p).mul_(factor)
     return _finish_grad_(grad, tanh_grad, coefs, columns, w32, spec, keep)
 
 
@@ -275,9 +303,7 @@ def _lse_shift(lse: torch.Tensor, coefs: Coefficients) -> torch.Tensor:
     """Each row's lse, +inf on rows with no upstream gradient (ignored rows): their gradient
     is then exp(-inf) * 0 = 0 with no extra pass, even where their saved lse is a placeholder
     and exp(z - lse) would overflow (non-finite logits give NaN, as in PyTorch)."""
-    coef_p, coef_t, coef_w = coefs
-    active = (coef_p != 0) | (coef_t != 0) | (coef_w != 0)
-    return torch.where(active, lse, math.inf)
+    return torch.where(coefs.active(), lse, math.inf)
 
 
 class _Accumulators:
@@ -392,12 +418,11 @@ def logit_stats(
     *,
     all_rows: bool,
     block_lse: bool = False,
-    mean_z: bool = False,
-    argmax: bool = False,
+    extras: frozenset[str] = frozenset(),
 ) -> RowStats:
     """Per-row lse, target logit and weighted sum over the given classes (every row), and
-    with ``block_lse`` the lse of each block of classes (filtering.py), with ``mean_z`` /
-    ``argmax`` each row's mean logit under its softmax / first largest logit's class."""
+    with ``block_lse`` the lse of each block of classes (filtering.py), with ``extras`` the
+    ``RowStats`` fields named there (``interface.EXTRA_STATS``)."""
     operands, columns = Float32Operands.of(head), _ClassTargets.of(head)
     w32, vocab, device = operands.class_weights, head.vocab, head.hidden.device
     n_rows = operands.rows.count
@@ -407,7 +432,7 @@ def logit_stats(
     blocks = None
     if block_lse:
         blocks = torch.empty((filtering.block_count(vocab), n_rows), device=device)
-    extras = _Extras(n_rows, device, mean_z, argmax)
+    extras = _Extras(n_rows, device, extras)
     tiles = _Tiles.of(n_rows, vocab, head.budget_bytes)
     buffer = tiles.buffer(n_rows, device)
     for r0, r1 in _ranges(n_rows, tiles.rows):
@@ -428,7 +453,7 @@ def logit_stats(
                 lse[r0:r1] = _tile_lse_(z)
             else:
                 torch.logaddexp(lse[r0:r1], _tile_lse_(z), out=lse[r0:r1])
-    return RowStats(lse, target_logit, wsum, blocks, extras.mean_z, extras.argmax)
+    return extras.stats_into(RowStats(lse, target_logit, wsum, blocks))
 
 
 class _FastChunks:
@@ -438,7 +463,7 @@ class _FastChunks:
     split one (``shard``)."""
 
     def __init__(self, head: HeadInputs, needs: Needs, metrics: tuple, chunk_classes: int):
-        """``metrics``: (entropy, argmax) wanted; ``chunk_classes``: the classes a chunk is
+        """``metrics``: the ``RowStats`` extras wanted; ``chunk_classes``: the classes a chunk is
         sized for."""
         self.head = head
         self.operands, self.columns = Float32Operands.of(head), _ClassTargets.of(head)
@@ -447,7 +472,7 @@ class _FastChunks:
         self.target_logit = torch.empty_like(self.lse)
         self.wsum = torch.empty_like(self.lse) if head.spec.needs_wsum else None
         self.acc = _Accumulators(head, needs, self.operands.rows)
-        self.extras = _Extras(self.n_rows, device, *metrics)
+        self.extras = _Extras(self.n_rows, device, metrics)
         self.unit = torch.ones((), device=device)
         self.chunk = cpu_chunk_rows(chunk_classes, head.budget_bytes)
         self.buffer = torch.empty(min(self.n_rows, self.chunk) * head.vocab, device=device)
@@ -478,7 +503,7 @@ class _FastChunks:
         self.lse[r0:r1] = total.log().add_(top)
         grad_loss = self.unit.expand(r1 - r0) if spec.reduction == "none" else self.unit
         coefs = row_coefficients(grad_loss, None, self.lse[r0:r1], rows.slice(r0, r1), spec, vocab)
-        grad = unnormalised.mul_((coefs[0] / total)[:, None])
+        grad = unnormalised.mul_((coefs.p / total)[:, None])
         return _finish_grad_(grad, tanh_grad, coefs, chunk_columns, w32, spec, None)
 
     def shard(
@@ -526,16 +551,15 @@ def fast_forward(
     rows: RowTargets,
     *,
     needs: Needs,
-    entropy: bool = False,
-    argmax: bool = False,
+    extras: frozenset[str] = frozenset(),
     split: SplitVocabulary | None = None,
 ) -> ForwardOut:
     """Fast mode: loss, lse and the gradients for a unit upstream gradient from the same
     chunks of logits (three GEMMs), and each row's entropy and argmax where asked; with
     ``split``, over a shard of a split vocabulary (``interface.Implementation``)."""
-    if split is not None and (entropy or argmax):
-        raise ValueError("fast mode over a split vocabulary computes no entropy or argmax")
-    run = _FastChunks(head, needs, (entropy, argmax), head.vocab if split is None else split.share)
+    if not extras <= FAST_EXTRA_STATS or (split is not None and extras):
+        raise ValueError(f"fast mode computes no {sorted(extras)} here (lean mode does)")
+    run = _FastChunks(head, needs, extras, head.vocab if split is None else split.share)
     for r0, r1 in _ranges(run.n_rows, run.chunk):
         z = run.logits(r0, r1)
         if split is None:
@@ -554,8 +578,7 @@ def fast_forward(
         None if g is None else g if like is None else g.to(like.dtype)
         for g, like in zip(run.acc.result(), likes)
     )
-    out.entropy = None if run.extras.mean_z is None else lse - run.extras.mean_z
-    out.argmax = run.extras.argmax
+    out.stats = run.extras.stats_into(RowStats(lse, run.target_logit, run.wsum))
     return out
 
 
@@ -577,7 +600,7 @@ def gradients(
     buffer = tiles.buffer(n_rows, head.hidden.device)
     tanh_buffer = torch.empty_like(buffer) if head.spec.softcap is not None else None
     for r0, r1 in _ranges(n_rows, tiles.rows):
-        row_coefs = tuple(c[r0:r1] for c in coefs)
+        row_coefs = coefs.rows(r0, r1)
         row_columns = columns.slice(r0, r1)
         for c0, c1 in _ranges(vocab, tiles.cols):
             z = operands.tile_logits(buffer, (r0, r1), (c0, c1), head.spec)

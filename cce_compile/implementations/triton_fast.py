@@ -37,7 +37,14 @@ from ..kernels.logits_exp import exp_blocks, logits_exp
 from ..kernels.scaled_exp_grad import scaled_exp_grad
 from ..loss_math import RowTargets, finish_loss, row_coefficient_parts
 from . import triton_shared as shared
-from .interface import ForwardOut, HeadInputs, KeptRows, Needs, RowStats, SplitVocabulary
+from .interface import (
+    ForwardOut,
+    HeadInputs,
+    KeptRows,
+    Needs,
+    RowStats,
+    SplitVocabulary,
+)
 
 
 @dataclasses.dataclass
@@ -105,8 +112,7 @@ class _FastBuffers:
         chunk: int,
         work: torch.Tensor,
         *,
-        entropy: bool,
-        argmax: bool,
+        extras: frozenset[str],
         split: bool = False,
         fused_tiles: TileConfig | None = None,
         classifier_sum_dtype: torch.dtype | None = None,
@@ -156,8 +162,8 @@ class _FastBuffers:
         lse = torch.empty(n_positions, dtype=torch.float32, device=device)
         wsum = torch.empty_like(lse) if head.spec.needs_wsum else None
         self.stats = (lse, torch.empty_like(lse), wsum)  # lse, target logit, wsum
-        self.mean_z = torch.empty_like(lse) if entropy else None
-        self.argmax = torch.empty_like(lse, dtype=torch.int64) if argmax else None
+        self.mean_z = torch.empty_like(lse) if "mean_z" in extras else None
+        self.argmax = torch.empty_like(lse, dtype=torch.int64) if "argmax" in extras else None
 
     def _logit_buffers(self, rows: int, vocab: int, work_dtype, device):
         """Whole rows: float32 logits, the gradient in the compute dtype over their own memory."""
@@ -221,9 +227,13 @@ class _FastBuffers:
         inputs' dtypes (hidden's in the buffer's: float32 for a shard's partial sum)."""
         lse, target_logit, wsum = (shared.rows_of(layout, s) for s in self.stats)
         out = ForwardOut(finish_loss(lse, target_logit, wsum, rows, head.spec, vocab), lse)
-        if self.mean_z is not None:
-            out.entropy = lse - layout.positions_to_rows(self.mean_z)
-        out.argmax = shared.rows_of(layout, self.argmax)
+        out.stats = RowStats(
+            lse,
+            target_logit,
+            wsum,
+            mean_z=shared.rows_of(layout, self.mean_z),
+            argmax=shared.rows_of(layout, self.argmax),
+        )
         if self.grad_positions is not None:
             out.grad_hidden = shared.hidden_grad(self.grad_positions, layout, head.hidden)
         out.grad_classifier = shared.rounded(head.classifier.dtype, self.grad_classifier)
@@ -236,104 +246,153 @@ def fast_forward(
     rows: RowTargets,
     *,
     needs: Needs,
-    entropy: bool = False,
-    argmax: bool = False,
+    extras: frozenset[str] = frozenset(),
     split: SplitVocabulary | None = None,
     kept: KeptRows | None = None,
 ) -> ForwardOut:
     """Fast mode: loss, lse and the gradients for a unit upstream gradient, computed in
-    chunks of positions (three GEMMs); with ``entropy`` / ``argmax`` also those of each row,
-    from the same pass over each chunk's logits; with ``split``, over a shard of a split
+    chunks of positions (three GEMMs); with ``extras`` (FAST_EXTRA_STATS) also those of each
+    row, from the same pass over each chunk's logits; with ``split``, over a shard of a split
     vocabulary; with ``kept``, over the kept rows, the first chunk's GEMM queued before their
     count is waited for (``interface.Implementation``)."""
-    if split is not None and (entropy or argmax):
-        raise ValueError("fast mode over a split vocabulary computes no entropy or argmax")
+    if not extras <= policy.FAST_EXTRA_STATS or (split is not None and extras):
+        raise ValueError(f"fast mode computes no {sorted(extras)} here (lean mode does)")
     if split is not None and kept is not None:
         raise ValueError("fast mode over a split vocabulary takes no kept-first rows")
-    hidden, classifier, bias = (
-        shared.rounded(head.compute_dtype, t) for t in (head.hidden, head.classifier, head.bias)
-    )
-    # Fused (the GEMM writes scaled exponentials): not where pass 2 would need more of each
-    # logit than that (softcap's derivative, the entropy, the argmax) or the ranks' statistics.
-    whole_rows = policy.fast_needs_whole_rows(
-        softcap=bool(head.spec.softcap), entropy=entropy, argmax=argmax, split=split is not None
-    )
-    layout, problem, fused = _plan(head, hidden, whole_rows, split)
-    if fused and whole_rows:  # pass 2 would compute a plausible wrong gradient
-        raise RuntimeError("fast mode fused a chunk that needs its whole float32 logits")
-    if kept is not None and not fused:
-        # cuBLAS's logits GEMM cannot stop at a count only the GPU holds: wait for it now.
-        head, rows = kept.restricted(head, rows)
-        hidden, kept = hidden[:, : kept.count()], None
-        layout, problem, fused = _plan(head, hidden, whole_rows, split)
-    if fused and classifier.stride(1) != 1:
-        # The fused GEMM loads classifier rows by TMA: a (D, V)-stored head (W.t(), Conv1D)
-        # is copied row-major, as lean's GEMMs copy it (kernels/common.check_operands); under
-        # AMP the transposed rounded copy is dropped after it. Not counted by the policy,
-        # which sees no strides.
-        classifier = classifier.contiguous()
-    chunk = policy.fast_run_rows(problem, needs.classifier, head.budget_bytes, fused)
-    in_float32 = policy.sums_classifier_in_float32(problem, needs.classifier, fused)
-    targets = _PositionCoefficients.targets_of(head, rows, layout, split)
-    positions = layout.positions()
-    out = _FastBuffers(
-        head,
-        layout,
-        needs,
-        chunk,
-        hidden,
-        entropy=entropy,
-        argmax=argmax,
-        split=bool(split),
-        fused_tiles=shared.fused_config_of(head, positions, classifier) if fused else None,
-        classifier_sum_dtype=torch.float32 if in_float32 else None,
-    )
-    static_args = dict(
-        class_weights=head.class_weights,
-        logit_scale=head.spec.logit_scale,
-        softcap=head.spec.softcap,
-        smoothing=head.spec.needs_wsum,
-        bias=bias,
-    )
-
-    def logits(start: int, stop: int, row_limit: torch.Tensor | None = None):
-        """The chunk's logits GEMM (fused: its scaled exponentials), queued."""
-        if fused:
-            _fused_gemm(positions, classifier, static_args, targets, out, (start, stop), row_limit)
-            return None
-        chunk_logits = out.logits[: stop - start]
-        shared.matmul(positions[start:stop], classifier.t(), out=chunk_logits)
-        return chunk_logits
-
-    def gradients(start: int, stop: int, chunk_logits) -> None:
-        """The chunk's pass 2 (its gradient, in place) and its shares of the gradients."""
-        if stop > start:  # (no rows: only the classifier's gradient, zero, is written)
-            kernel_args = dict(static_args, **coefs.chunk(start, stop))
-            if fused:
-                _fused_pass2(kernel_args, out, (start, stop))
-            elif split is None:
-                chunk_softmax_grad(chunk_logits, **kernel_args, **out.chunk_outputs(start, stop))
-            else:
-                _shard_chunk(chunk_logits, kernel_args, out, (start, stop), split)
-        out.add_gradients(start, stop, positions[start:stop], classifier)
-
-    first = min(chunk, layout.n_positions)
-    chunk_logits = logits(0, first, None if kept is None else kept.device_count)
+    run = _FastRun.plan(head, rows, needs, extras, split, kept)
+    first = min(run.chunk, run.layout.n_positions)
+    chunk_logits = run.logits(0, first, None if kept is None else kept.device_count)
     # After the first chunk's GEMM is queued, so that the GPU runs it while the host builds
     # pass 2's coefficients (and waits for the kept rows' count): at a call's start, or after
     # compaction's host synchronisation, it has nothing else to do.
-    coefs = _PositionCoefficients.of(head, rows, layout, split, targets)
-    end = layout.n_positions if kept is None else kept.count()
+    run.coefs = _PositionCoefficients.of(run.head, run.rows, run.layout, split, run.targets)
+    end = run.layout.n_positions if run.kept is None else run.kept.count()
     start, stop = 0, min(first, end)
-    gradients(start, stop, chunk_logits)  # (no rows at all: the classifier's zero gradient)
-    for start in range(stop, end, chunk):
-        stop = min(start + chunk, end)
-        gradients(start, stop, logits(start, stop))
-    if kept is not None:  # the outputs of the kept rows alone
-        head, rows = kept.restricted(head, rows)
-        out.truncate(end)
-        layout = row_layout(hidden[:, :end], head.spec.shift)
-    return out.result(head, rows, layout, head.vocab if split is None else split.size)
+    run.gradients(start, stop, chunk_logits)  # (no rows at all: the classifier's zero gradient)
+    for start in range(stop, end, run.chunk):
+        stop = min(start + run.chunk, end)
+        run.gradients(start, stop, run.logits(start, stop))
+    return run.result(end)
+
+
+@dataclasses.dataclass
+class _FastRun:
+    """One fast-mode call's plan and buffers: its operands in the compute dtype, row layout,
+    chunk size, whether the GEMM is fused, and the chunk steps (``logits``, ``gradients``)."""
+
+    head: HeadInputs
+    rows: RowTargets
+    split: SplitVocabulary | None
+    kept: KeptRows | None
+    hidden: torch.Tensor
+    classifier: torch.Tensor
+    layout: RowLayout
+    fused: bool
+    chunk: int
+    targets: torch.Tensor
+    positions: torch.Tensor
+    out: _FastBuffers
+    static_args: dict
+    coefs: _PositionCoefficients | None = None
+
+    @staticmethod
+    def plan(head, rows, needs: Needs, extras, split, kept) -> _FastRun:
+        hidden, classifier, bias = (
+            shared.rounded(head.compute_dtype, t) for t in (head.hidden, head.classifier, head.bias)
+        )
+        # Fused (the GEMM writes scaled exponentials): not where pass 2 would need more of
+        # each logit than that (softcap's derivative, the entropy, the argmax) or the ranks'
+        # statistics.
+        whole_rows = policy.fast_needs_whole_rows(
+            softcap=bool(head.spec.softcap),
+            entropy="mean_z" in extras,
+            argmax="argmax" in extras,
+            split=split is not None,
+        )
+        layout, problem, fused = _plan(head, hidden, whole_rows, split)
+        if fused and whole_rows:  # pass 2 would compute a plausible wrong gradient
+            raise RuntimeError("fast mode fused a chunk that needs its whole float32 logits")
+        if kept is not None and not fused:
+            # cuBLAS's logits GEMM cannot stop at a count only the GPU holds: wait for it now.
+            head, rows = kept.restricted(head, rows)
+            hidden, kept = hidden[:, : kept.count()], None
+            layout, problem, fused = _plan(head, hidden, whole_rows, split)
+        if fused and classifier.stride(1) != 1:
+            # The fused GEMM loads classifier rows by TMA: a (D, V)-stored head (W.t(),
+            # Conv1D) is copied row-major, as lean's GEMMs copy it (check_operands); under AMP
+            # the transposed rounded copy is dropped after it. Not counted by the policy,
+            # which sees no strides.
+            classifier = classifier.contiguous()
+        chunk = policy.fast_run_rows(problem, needs.classifier, head.budget_bytes, fused)
+        in_float32 = policy.sums_classifier_in_float32(problem, needs.classifier, fused)
+        positions = layout.positions()
+        out = _FastBuffers(
+            head,
+            layout,
+            needs,
+            chunk,
+            hidden,
+            extras=extras,
+            split=bool(split),
+            fused_tiles=shared.fused_config_of(head, positions, classifier) if fused else None,
+            classifier_sum_dtype=torch.float32 if in_float32 else None,
+        )
+        static_args = dict(
+            class_weights=head.class_weights,
+            logit_scale=head.spec.logit_scale,
+            softcap=head.spec.softcap,
+            smoothing=head.spec.needs_wsum,
+            bias=bias,
+        )
+        targets = _PositionCoefficients.targets_of(head, rows, layout, split)
+        return _FastRun(
+            head=head,
+            rows=rows,
+            split=split,
+            kept=kept,
+            hidden=hidden,
+            classifier=classifier,
+            layout=layout,
+            fused=fused,
+            chunk=chunk,
+            targets=targets,
+            positions=positions,
+            out=out,
+            static_args=static_args,
+        )
+
+    def logits(self, start: int, stop: int, row_limit: torch.Tensor | None = None):
+        """The chunk's logits GEMM (fused: its scaled exponentials), queued."""
+        if self.fused:
+            operands = (self.positions, self.classifier, self.static_args, self.targets)
+            _fused_gemm(*operands, self.out, (start, stop), row_limit)
+            return None
+        chunk_logits = self.out.logits[: stop - start]
+        shared.matmul(self.positions[start:stop], self.classifier.t(), out=chunk_logits)
+        return chunk_logits
+
+    def gradients(self, start: int, stop: int, chunk_logits) -> None:
+        """The chunk's pass 2 (its gradient, in place) and its shares of the gradients."""
+        out = self.out
+        if stop > start:  # (no rows: only the classifier's gradient, zero, is written)
+            kernel_args = dict(self.static_args, **self.coefs.chunk(start, stop))
+            if self.fused:
+                _fused_pass2(kernel_args, out, (start, stop))
+            elif self.split is None:
+                chunk_softmax_grad(chunk_logits, **kernel_args, **out.chunk_outputs(start, stop))
+            else:
+                _shard_chunk(chunk_logits, kernel_args, out, (start, stop), self.split)
+        out.add_gradients(start, stop, self.positions[start:stop], self.classifier)
+
+    def result(self, end: int) -> ForwardOut:
+        """The outputs, of the first ``end`` positions where the rows were kept first."""
+        head, rows, layout = self.head, self.rows, self.layout
+        if self.kept is not None:  # the outputs of the kept rows alone
+            head, rows = self.kept.restricted(head, rows)
+            self.out.truncate(end)
+            layout = row_layout(self.hidden[:, :end], head.spec.shift)
+        vocab = head.vocab if self.split is None else self.split.size
+        return self.out.result(head, rows, layout, vocab)
 
 
 def _plan(head: HeadInputs, hidden: torch.Tensor, whole_rows: bool, split) -> tuple:

@@ -70,26 +70,30 @@ def _tile_width(columns: int, tile: int, vocab: int) -> int:
 @dataclasses.dataclass
 class _Partials:
     """``lse_forward``'s per-program partials of each row, (programs, N): the lse, and where
-    asked the weighted sum, the mean logit under the program's softmax, and the largest logit
-    with its first class (int32)."""
+    asked the (weighted) sum of logits, the mean logit under the program's softmax, the largest
+    logit with its first class (int32), and the logsumexp of 2 z."""
 
     lse: torch.Tensor
     wsum: torch.Tensor | None
     mean_z: torch.Tensor | None
     top: tuple[torch.Tensor, torch.Tensor] | None
+    lse_2z: torch.Tensor | None
 
     @staticmethod
     def empty(
-        programs: int, n_rows: int, device: torch.device, *, wsum: bool, mean_z: bool, argmax: bool
+        programs: int, n_rows: int, device: torch.device, *, wsum: bool, extras: frozenset[str]
     ) -> _Partials:
         """Room for ``programs`` programs' partials of ``n_rows`` rows."""
         lse = torch.empty((programs, n_rows), dtype=torch.float32, device=device)
-        top = (torch.empty_like(lse), torch.empty_like(lse, dtype=torch.int32)) if argmax else None
+
+        def like(name: str) -> torch.Tensor | None:
+            return torch.empty_like(lse) if name in extras else None
+
+        top = None
+        if "argmax" in extras:
+            top = (torch.empty_like(lse), torch.empty_like(lse, dtype=torch.int32))
         return _Partials(
-            lse,
-            torch.empty_like(lse) if wsum else None,
-            torch.empty_like(lse) if mean_z else None,
-            top,
+            lse, torch.empty_like(lse) if wsum else None, like("mean_z"), top, like("lse_2z")
         )
 
     def outputs(self, first: int, last: int, target_logit: torch.Tensor) -> dict:
@@ -98,21 +102,28 @@ class _Partials:
             out=(self.lse[first:last], target_logit, shared.part(self.wsum, first, last)),
             mean_z_out=shared.part(self.mean_z, first, last),
             argmax_out=None if self.top is None else tuple(t[first:last] for t in self.top),
+            lse_2z_out=shared.part(self.lse_2z, first, last),
         )
 
-    def row_stats(self, target_logit: torch.Tensor, tile: int, block_lse: bool) -> RowStats:
+    def row_stats(
+        self, target_logit: torch.Tensor, tile: int, block_lse: bool, sums: tuple[bool, bool]
+    ) -> RowStats:
         """Each row's statistics over every program's classes (``block_lse``: also per block
-        of classes, programs of ``tile`` classes)."""
-        wsum = self.wsum.sum(0) if self.wsum is not None else None
+        of classes, programs of ``tile`` classes); ``sums``: the summed logits are (wsum,
+        zsum), each or both."""
+        total = self.wsum.sum(0) if self.wsum is not None else None
         blocks = filtering.block_lse_from_partials(self.lse, tile) if block_lse else None
         lse = torch.logsumexp(self.lse, dim=0)
-        stats = RowStats(lse, target_logit, wsum, blocks)
+        stats = RowStats(lse, target_logit, total if sums[0] else None, blocks)
+        stats.zsum = total if sums[1] else None
         if self.mean_z is not None:  # each program's mean weighted by its share of the mass
             stats.mean_z = (torch.exp(self.lse - lse) * self.mean_z).sum(0)
         if self.top is not None:  # the first program holding the row's largest logit
             top, arg = self.top
             program = top.argmax(0, keepdim=True)
             stats.argmax = arg.gather(0, program)[0].long()
+        if self.lse_2z is not None:
+            stats.lse_2z = torch.logsumexp(self.lse_2z, dim=0)
         return stats
 
 
@@ -121,15 +132,21 @@ def logit_stats(
     *,
     all_rows: bool,
     block_lse: bool = False,
-    mean_z: bool = False,
-    argmax: bool = False,
+    extras: frozenset[str] = frozenset(),
 ) -> RowStats:
     """Per-row lse, target logit and weighted sum from per-tile partials (``lse_forward``);
     a classifier to be rounded is rounded one slab of classes at a time. ``block_lse``: also
-    the lse per block of classes (filtering.py), from the same partials; ``mean_z`` and
-    ``argmax``: also each row's mean logit under the softmax and first largest logit's class,
-    from per-program partials combined the same way."""
+    the lse per block of classes (filtering.py), from the same partials; ``extras``: also the
+    ``RowStats`` fields named (interface.EXTRA_STATS), from per-program partials combined the
+    same way."""
     spec, vocab = head.spec, head.vocab
+    # The kernel's one sum of logits serves the plain sum (zsum) and the smoothing's weighted
+    # one alike unless class weights make them differ.
+    zsum = "zsum" in extras
+    if zsum and spec.needs_wsum and head.class_weights is not None:
+        raise NotImplementedError(
+            "the mean logit with label smoothing and class_weights in one call is not served"
+        )
     hidden = shared.rounded(head.compute_dtype, head.hidden)
     config = shared.config_of(head, hidden)
     layout = row_layout(hidden, spec.shift)
@@ -137,13 +154,9 @@ def logit_stats(
     tile = config.block_v * config.tiles_per_program
     problem = shared.problem(layout, head, hidden)
     width = _tile_width(policy.forward_slab_columns(problem, head.budget_bytes), tile, vocab)
+    needs_sum = spec.needs_wsum or zsum
     partials = _Partials.empty(
-        partial_blocks(vocab, config),
-        layout.n_rows,
-        hidden.device,
-        wsum=spec.needs_wsum,
-        mean_z=mean_z,
-        argmax=argmax,
+        partial_blocks(vocab, config), layout.n_rows, hidden.device, wsum=needs_sum, extras=extras
     )
     target_logit = torch.zeros(layout.n_rows, dtype=torch.float32, device=hidden.device)
     for start, stop in _slabs(vocab, width):
@@ -153,18 +166,18 @@ def logit_stats(
             classifier,
             head.targets,
             bias,
-            class_weights,
+            class_weights if spec.needs_wsum else None,
             shift=spec.shift,
             ignore_index=spec.ignore_index,
             logit_scale=spec.logit_scale,
             softcap=spec.softcap,
             skip_ignored_tiles=not all_rows,
-            needs_wsum=spec.needs_wsum,
+            needs_wsum=needs_sum,
             config=config,
             col_start=head.col_start + start,
             **partials.outputs(start // tile, partial_blocks(stop, config), target_logit),
         )
-    return partials.row_stats(target_logit, tile, block_lse)
+    return partials.row_stats(target_logit, tile, block_lse, (spec.needs_wsum, zsum))
 
 
 class _SlabGradients:
@@ -240,7 +253,7 @@ def gradients(
     layout = row_layout(hidden, spec.shift)
     hidden = layout.matrix  # the layout's copy, where it makes one: once, not per slab
     to_positions = layout.rows_to_positions
-    coefs, lse_positions = tuple(to_positions(c) for c in coefs), to_positions(lse)
+    coefs, lse_positions = coefs.mapped(to_positions), to_positions(lse)
     keep = None if keep_blocks is None else to_positions(keep_blocks)
     config = shared.config_of(head, hidden)
     width = _lean_slab_width(head, layout, hidden, config, needs)
@@ -258,7 +271,7 @@ def gradients(
             bias_slab,
             weights_slab,
             lse_positions,
-            coefs,
+            (coefs.p, coefs.t, coefs.w),
             slab,
             target_offset=head.col_start + start,
             shift=spec.shift,
@@ -267,6 +280,7 @@ def gradients(
             smoothing=spec.needs_wsum,
             config=config,
             keep=keep,
+            entropy_coef=coefs.e,
             filter_block=filtering.FILTER_BLOCK,
         )
         grads.add(slab, classifier_slab, start, stop)

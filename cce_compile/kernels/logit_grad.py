@@ -4,13 +4,13 @@ For a slab of the classifier (``width`` classes, the vocabulary's classes [v0, v
 where v0 is ``target_offset``) each program recomputes one (BLOCK_N x BLOCK_V) tile of logits
 exactly as the forward did, and writes
 
-    d loss / d y = (coef_p * softmax - coef_t * onehot - coef_w * w) * dz/dy
+    d loss / d y = ((coef_p + coef_e * log p) * p - coef_t * onehot - coef_w * w) * dz/dy
 
 into ``slab`` (N x width, the inputs' dtype) — the slab is the only N x V-sized memory, and the
 caller bounds its width. The per-row coefficients come from ``loss_math.row_coefficients``.
 Two GEMMs on cuBLAS then turn the slab into d hidden (accumulated) and d classifier (written
 once per slab). Tiles whose rows all have zero coefficients (ignored rows) skip the GEMM and
-write zeros.
+write zeros. (p: the softmax; coef_e: an entropy gradient's term, loss_math.)
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def _logit_grad_kernel(
     coef_p,
     coef_t,
     coef_w,
+    coef_e,
     keep,
     slab,
     n_positions,
@@ -66,6 +67,7 @@ def _logit_grad_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
     HAS_FILTER: tl.constexpr,
     FILTER_BLOCK: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -92,6 +94,9 @@ def _logit_grad_kernel(
     c_w = tl.load(coef_w + pos_c)
     # NaN coefficients (out-of-range targets) count as active and poison their row.
     active = in_range & ((c_p != 0.0) | (c_t != 0.0) | (c_w != 0.0))
+    if HAS_ENTROPY:
+        c_e = tl.load(coef_e + pos_c)
+        active = active | (in_range & (c_e != 0.0))
     cols_c = tl.minimum(cols, width - 1)
     if HAS_FILTER:
         # Gradient filtering (filtering.py): rows that skip this tile's block of classes drop
@@ -138,7 +143,12 @@ def _logit_grad_kernel(
         # product: the exact kernel's multiply-subtract then compiles to the same FMAs, and
         # grad_filter=0 stays bit for bit the exact result.
         row_coef = tl.where(kept, c_p, 0.0) if HAS_FILTER else c_p
-        grad = row_coef[:, None] * tl.exp(z - tl.load(lse + pos_c)[:, None])
+        log_p = z - tl.load(lse + pos_c)[:, None]
+        if HAS_ENTROPY:  # the entropy's term, (coef_p + coef_e * log p) * p
+            row_e = tl.where(kept, c_e, 0.0) if HAS_FILTER else c_e
+            grad = (row_coef[:, None] + row_e[:, None] * log_p) * tl.exp(log_p)
+        else:
+            grad = row_coef[:, None] * tl.exp(log_p)
         tgt = tl.load(targets + t_off) - target_offset  # as a column of this slab
         grad -= tl.where(cols[None, :] == tgt[:, None], c_t[:, None], 0.0)
         if HAS_SMOOTHING:
@@ -180,6 +190,7 @@ def logit_grad(
     config: TileConfig | None = None,
     keep: torch.Tensor | None = None,
     filter_block: int = 256,
+    entropy_coef: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fill ``slab`` (positions x width, unit column stride) with the gradient of the loss
     w.r.t. the pre-activation logits of ``classifier``'s classes (width = its rows): a slab
@@ -189,6 +200,9 @@ def logit_grad(
     coefficient vectors are (n_positions,) float32 (coefficients 0 at positions that are no
     loss row), and so are the slab's rows — the layout that the cuBLAS GEMMs consuming the slab
     read without copies.
+
+    ``entropy_coef`` (n_positions,) float32: the entropy gradient's coefficient of
+    p * log p per position (loss_math), or None without one.
 
     ``keep`` (n_positions, blocks) uint8: gradient filtering's mask (filtering.py), 1 where
     the position computes the softmax term of a block of ``filter_block`` classes; the slab
@@ -202,7 +216,10 @@ def logit_grad(
     n_positions = layout.n_positions
     if tuple(slab.shape) != (n_positions, width) or slab.stride(1) != 1:
         raise ValueError(f"slab must be ({n_positions}, {width}) with unit column stride")
-    for name, t in zip(("lse", "coef_p", "coef_t", "coef_w"), (lse, *coefs)):
+    vectors = (lse, *coefs, entropy_coef)
+    for name, t in zip(("lse", "coef_p", "coef_t", "coef_w", "entropy_coef"), vectors):
+        if t is None and name == "entropy_coef":
+            continue
         if t.shape != (n_positions,) or t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous float32 ({n_positions},)")
     if keep is not None:
@@ -230,6 +247,7 @@ def logit_grad(
         targets,
         lse,
         *coefs,
+        entropy_coef if entropy_coef is not None else lse,
         keep if keep is not None else lse,
         slab_arg,
         layout.n_positions,
@@ -248,6 +266,7 @@ def logit_grad(
         keep.shape[1] if keep is not None else 1,
         HAS_WEIGHTS=class_weights is not None,
         HAS_SMOOTHING=smoothing,
+        HAS_ENTROPY=entropy_coef is not None,
         HAS_FILTER=keep is not None,
         FILTER_BLOCK=filter_block,
         **gemm_launch_options(

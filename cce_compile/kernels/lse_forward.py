@@ -6,7 +6,9 @@ TMA where aligned), applies bias / scale / softcap, keeps a running max and sum 
 and writes the log-sum-exp of its classes into ``partial_lse[vocab_group, row]``. A tiny reduction
 over vocab blocks (in the caller) gives the row's lse: no locks and no atomics, so the result
 is deterministic. The program whose tile holds a row's target writes that target logit (one
-writer per row). With label smoothing it also writes the tile's sum_j w_j z_ij.
+writer per row). With label smoothing it also writes the tile's sum_j w_j z_ij; where asked, the
+mean logit under its softmax, its largest logit and first class, and logsumexp_j 2 z_ij (the
+row metrics' sources, row_metrics.py).
 
 Bytes: hidden and classifier are read once per tile from L2 (grouped ordering keeps GROUP_N row
 blocks' hidden and one classifier tile resident); output is 4 bytes per row per vocab block.
@@ -45,6 +47,7 @@ def _lse_forward_kernel(
     partial_mean_z,
     partial_max,
     partial_argmax,
+    partial_lse_2z,
     n_positions,
     seq_stride,
     rows_per_seq,
@@ -66,6 +69,7 @@ def _lse_forward_kernel(
     NEEDS_WSUM: tl.constexpr,
     NEEDS_MEAN_Z: tl.constexpr,
     NEEDS_ARGMAX: tl.constexpr,
+    NEEDS_LSE_2Z: tl.constexpr,
     SKIP_IGNORED: tl.constexpr,
     USE_TMA: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -104,6 +108,12 @@ def _lse_forward_kernel(
                     mask=valid,
                 )
                 tl.store(partial_argmax + out_off, tl.zeros((BLOCK_N,), tl.int32), mask=valid)
+            if NEEDS_LSE_2Z:
+                tl.store(
+                    partial_lse_2z + out_off,
+                    tl.full((BLOCK_N,), float("-inf"), tl.float32),
+                    mask=valid,
+                )
             return
 
     # The program covers TILES vocab tiles with a running max / sum per row, so the partial
@@ -113,6 +123,7 @@ def _lse_forward_kernel(
     run_wsum = tl.zeros((BLOCK_N,), tl.float32)
     run_zsum = tl.zeros((BLOCK_N,), tl.float32)  # sum_j exp(z_j - run_max) z_j (entropy)
     run_arg = tl.zeros((BLOCK_N,), tl.int32)  # first column of the running max
+    run_sq = tl.zeros((BLOCK_N,), tl.float32)  # sum_j exp(2 (z_j - run_max))
     for j in range(TILES):
         first_col = (pid_v * TILES + j) * BLOCK_V
         if first_col < vocab:
@@ -160,6 +171,8 @@ def _lse_forward_kernel(
             if NEEDS_MEAN_Z:  # p z -> 0 as z -> -inf
                 weighted = tl.where(z == float("-inf"), 0.0, exp_z * z)
                 run_zsum = run_zsum * rescale + tl.sum(weighted, axis=1)
+            if NEEDS_LSE_2Z:  # exp(2 (z - m)) = exp(z - m)^2: no second exponential
+                run_sq = run_sq * (rescale * rescale) + tl.sum(exp_z * exp_z, axis=1)
             run_max = new_max
             # The tile holds the row's target iff it falls in [first_col, first_col + BLOCK_V):
             # a per-row test, not a reduction over the tile, keeps the epilogue's registers
@@ -183,6 +196,8 @@ def _lse_forward_kernel(
     if NEEDS_ARGMAX:
         tl.store(partial_max + out_off, run_max, mask=valid)
         tl.store(partial_argmax + out_off, run_arg, mask=valid)
+    if NEEDS_LSE_2Z:
+        tl.store(partial_lse_2z + out_off, 2.0 * run_max + tl.log(run_sq), mask=valid)
 
 
 def partial_blocks(vocab: int, config: TileConfig) -> int:
@@ -208,6 +223,7 @@ def lse_forward(
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     mean_z_out: torch.Tensor | None = None,
     argmax_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    lse_2z_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Partial lse (vocab_blocks, N), target logit (N,) and partial sum_j w_j z_ij or None.
 
@@ -215,6 +231,7 @@ def lse_forward(
     classes' softmax, sum_j p_j z_j (the entropy's term; 0 where a tile was skipped).
     ``argmax_out`` ((vocab_blocks, N) float32, (vocab_blocks, N) int32): also each program's
     largest logit and its first class (a column of the whole vocabulary).
+    ``lse_2z_out`` (vocab_blocks, N) float32: also each program's logsumexp_j 2 z_ij.
 
     ``hidden`` (B, T, D) and ``targets`` (B, T) may be strided; rows are (b, t < T - shift).
     ``classifier`` (and ``bias``, ``class_weights``) hold classes [col_start, col_start + V)
@@ -255,6 +272,7 @@ def lse_forward(
         ("mean_z_out", mean_z_out, torch.float32),
         ("argmax_out max", None if argmax_out is None else argmax_out[0], torch.float32),
         ("argmax_out index", None if argmax_out is None else argmax_out[1], torch.int32),
+        ("lse_2z_out", lse_2z_out, torch.float32),
     ):
         if t is not None and (
             tuple(t.shape) != (blocks_v, n_rows) or t.dtype != dtype or not t.is_contiguous()
@@ -279,6 +297,7 @@ def lse_forward(
         mean_z_out if mean_z_out is not None else partial_lse,
         argmax_out[0] if argmax_out is not None else partial_lse,
         argmax_out[1] if argmax_out is not None else partial_lse,
+        lse_2z_out if lse_2z_out is not None else partial_lse,
         layout.n_positions,
         layout.seq_stride,
         layout.rows_per_seq,
@@ -297,6 +316,7 @@ def lse_forward(
         NEEDS_WSUM=needs_wsum,
         NEEDS_MEAN_Z=mean_z_out is not None,
         NEEDS_ARGMAX=argmax_out is not None,
+        NEEDS_LSE_2Z=lse_2z_out is not None,
         SKIP_IGNORED=skip_ignored_tiles,
         TILES=config.tiles_per_program,
         **gemm_launch_options(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import filtering
+from .. import filtering, row_metrics
 from . import dispatch, versioning
 from .signature import (
     BACKWARD,
@@ -169,15 +169,26 @@ def saved_by_name(ctx) -> dict[str, Tensor | None]:
     return saved
 
 
-def differentiate(ctx, signatures, backward_op, grad_loss, grad_lse, saved: dict) -> tuple:
+def differentiate(
+    ctx, signatures, backward_op, grad_loss, grad_lse, saved: dict, **row_grads
+) -> tuple:
     """The autograd formula shared by both ops: their backward op on the ``saved`` tensors
     (by argument name), its gradients returned where requested; signatures: the (forward,
-    backward) pair."""
+    backward) pair; ``row_grads``: the gradients of other differentiable outputs, by the
+    backward op's argument names (``grad_entropy``)."""
     forward, backward = signatures
     requested = requested_gradients(ctx, forward)
-    if grad_loss is None and grad_lse is None:
+    row_grads = {name: g for name, g in row_grads.items() if g is not None}
+    if grad_loss is None and grad_lse is None and not row_grads:
         return forward.gradients()
-    arguments = dict(grad_loss=grad_loss, grad_lse=grad_lse, **saved, **requested, **ctx.passed_on)
+    arguments = dict(
+        grad_loss=grad_loss,
+        grad_lse=grad_lse,
+        **row_grads,
+        **saved,
+        **requested,
+        **ctx.passed_on,
+    )
     grads = backward_op(*backward.build(**arguments))
     return returned_gradients(forward, requested, grads)
 
@@ -211,7 +222,8 @@ def refuse_double_backward(backward_op) -> None:
 
 def _forward(*values) -> tuple[Tensor, ...]:
     """Returns (loss, lse, fast_grad_hidden, fast_grad_classifier, fast_grad_bias,
-    keep_blocks, row_index, entropy, argmax).
+    keep_blocks, row_index, *the row metrics) (row_metrics.METRICS: entropy, argmax,
+    log_sum_sq_probs, mean_logits).
 
     ``loss`` is float32, a scalar or (B, T - shift) for reduction 'none'; ``lse`` is float32
     (B, T - shift) (0 at ignored rows unless ``lse_all_rows``). In mode 'fast' the three
@@ -222,23 +234,24 @@ def _forward(*values) -> tuple[Tensor, ...]:
     (N, blocks) uint8 mask, else empty.
     ``row_index`` (int64) is, with ``skip_ignored``, the loss rows the forward computed on
     (all N of them when it skipped none: compaction.py), else empty; its size depends on the
-    targets' values. ``entropy`` (float32) and ``argmax`` (int64), shaped like ``lse``, with
-    ``return_entropy`` / ``return_argmax``: each row's softmax entropy and first largest
-    logit's class (0 and -1 at ignored rows), without gradient; else empty.
+    targets' values. Each row metric, shaped like ``lse`` in its own dtype, with its
+    ``return_<name>`` flag: its value per row (its ``ignored_value`` at ignored rows), else
+    empty; only the entropy carries a gradient.
     """
     args = FORWARD.bind(values)
     out = dispatch.forward(args)
     hidden, classifier = args.hidden, args.classifier
     rows = row_shape(hidden, args.shift)
-    f32 = torch.float32
     return FORWARD_RETURNS.pack(
         loss=out.loss.view(rows) if args.reduction == "none" else out.loss,
         lse=out.lse.view(rows),
         **fast_outputs(out, args),
         keep_blocks=or_empty(out.keep_blocks, classifier, torch.uint8),
         row_index=row_index_output(out.row_index, hidden),
-        entropy=or_empty(out.entropy, hidden, f32, rows),
-        argmax=or_empty(out.argmax, hidden, torch.int64, rows),
+        **{
+            m.name: or_empty(out.metrics.get(m.name), hidden, m.dtype, rows)
+            for m in row_metrics.METRICS
+        },
     )
 
 
@@ -272,7 +285,7 @@ def _forward_fake(*values):
     args = FORWARD.bind(values)
     hidden, classifier = args.hidden, args.classifier
     rows = row_shape(hidden, args.shift)
-    f32, i64 = torch.float32, torch.int64
+    f32 = torch.float32
     filtered_rows = (rows[0] * rows[1], filtering.block_count(classifier.shape[0]))
     return FORWARD_RETURNS.pack(
         loss=hidden.new_empty(rows if args.reduction == "none" else (), dtype=f32),
@@ -282,8 +295,10 @@ def _forward_fake(*values):
             dispatch.filters(args), classifier, shape=filtered_rows, dtype=torch.uint8
         ),
         row_index=row_index_fake(args, hidden),
-        entropy=like_if(args.return_entropy, hidden, shape=rows, dtype=f32),
-        argmax=like_if(args.return_argmax, hidden, shape=rows, dtype=i64),
+        **{
+            m.name: like_if(getattr(args, m.flag), hidden, shape=rows, dtype=m.dtype)
+            for m in row_metrics.METRICS
+        },
     )
 
 
@@ -337,33 +352,49 @@ def _setup_context(ctx, inputs, output) -> None:
     versioning.check(args.implementation_version)
     out = FORWARD_RETURNS.unpack(output)
     buffers = {name: getattr(out, name) for name in FAST_BUFFERS.values()}
-    # The entropy is a metric: it carries no gradient (TRL's SFT logs it detached).
-    ctx.mark_non_differentiable(
-        *buffers.values(), out.keep_blocks, out.row_index, out.entropy, out.argmax
-    )
+    # The entropy carries a gradient where it was asked for; the other metrics are metrics.
+    no_gradient = [
+        getattr(out, m.name)
+        for m in row_metrics.METRICS
+        if not (m.differentiable and getattr(args, m.flag))
+    ]
+    ctx.mark_non_differentiable(*buffers.values(), out.keep_blocks, out.row_index, *no_gradient)
     ctx.filtered = dispatch.filters(args)
     ctx.passed_on = args.pick(_PASSED_ON)
     ctx.fast_held = fast_filled(args)
+    entropy = out.entropy if args.return_entropy else None
     save_context(
-        ctx, args, lse=out.lse, row_index=out.row_index, keep_blocks=out.keep_blocks, **buffers
+        ctx,
+        args,
+        lse=out.lse,
+        row_index=out.row_index,
+        keep_blocks=out.keep_blocks,
+        entropy=entropy,
+        **buffers,
     )
 
 
-def _backward(ctx, grad_loss, grad_lse, *_unused):
+def _backward(ctx, grad_loss, grad_lse, *other_grads):
     saved = saved_by_name(ctx)
     buffers = {flag: saved.pop(name) for flag, name in FAST_BUFFERS.items()}
     if not ctx.filtered:
         saved["keep_blocks"] = None
+    grad_entropy = FORWARD_RETURNS.unpack((grad_loss, grad_lse, *other_grads)).entropy
     backward_op = torch.ops.cce.linear_cross_entropy_backward
     signatures = (FORWARD, BACKWARD)
     taken = _take_fast_gradients(ctx, grad_loss, buffers)
     if taken is None:  # lean, or fast's gradients already handed out: recompute
-        return differentiate(ctx, signatures, backward_op, grad_loss, grad_lse, saved)
+        return differentiate(
+            ctx, signatures, backward_op, grad_loss, grad_lse, saved, grad_entropy=grad_entropy
+        )
     grads = returned_gradients(FORWARD, requested_gradients(ctx, FORWARD), taken)
-    if grad_lse is None:
+    if grad_lse is None and grad_entropy is None:
         return grads
-    lse_part = differentiate(ctx, signatures, backward_op, None, grad_lse, saved)
-    return tuple(_sum(g, extra) for g, extra in zip(grads, lse_part))
+    # The lse's and entropy's parts, recomputed (the buffers hold the loss's alone).
+    rest = differentiate(
+        ctx, signatures, backward_op, None, grad_lse, saved, grad_entropy=grad_entropy
+    )
+    return tuple(_sum(g, extra) for g, extra in zip(grads, rest))
 
 
 def _take_fast_gradients(ctx, grad_loss, buffers: dict) -> tuple | None:

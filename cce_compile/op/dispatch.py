@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from .. import decide, filtering, policy
+from .. import decide, filtering, policy, row_metrics
 from ..implementations.interface import (
     Coefficients,
     ForwardOut,
@@ -30,7 +30,14 @@ from ..implementations.interface import (
     KeptRows,
     Needs,
 )
-from ..loss_math import LossSpec, finish_loss, returned_lse, row_coefficients, row_targets
+from ..loss_math import (
+    EntropyGradient,
+    LossSpec,
+    finish_loss,
+    returned_lse,
+    row_coefficients,
+    row_targets,
+)
 from . import compaction
 from .call_plan import budget_of, compute_dtype_of, float32_math, implementation_for, needs_of
 from .signature import Bound
@@ -110,38 +117,31 @@ def _forward_rows(args: Bound, budget: int, kept: KeptRows | None = None) -> For
     impl = implementation_for(args.hidden.device)
     needs = needs_of(args)
     rows = row_targets(args.targets, args.class_weights, spec, vocab)
+    metrics = row_metrics.asked(args)
+    extras = row_metrics.stats_needed(metrics)
     with float32_math(args.hidden.device):
         if _runs_fast(args):
-            options = dict(entropy=args.return_entropy, argmax=args.return_argmax)
+            options = dict(extras=extras)
             if kept is not None:  # (an implementation with ``kept_first`` only)
                 options["kept"] = kept
             out = impl.fast_forward(head, rows, needs=needs, **options)
-            lse = out.lse
+            lse, stats = out.lse, out.stats
             if kept is not None:  # the outputs are the kept rows'
                 rows = rows.slice(0, lse.numel())
         else:
             beta = args.grad_filter if _filtered(args, spec) else None
             stats = impl.logit_stats(
-                head,
-                all_rows=args.lse_all_rows,
-                block_lse=beta is not None,
-                mean_z=args.return_entropy,
-                argmax=args.return_argmax,
+                head, all_rows=args.lse_all_rows, block_lse=beta is not None, extras=extras
             )
             lse = stats.lse
             out = ForwardOut(
                 finish_loss(lse, stats.target_logit, stats.wsum, rows, spec, vocab), lse
             )
-            out.entropy = None if stats.mean_z is None else lse - stats.mean_z
-            out.argmax = stats.argmax
             if beta is not None:
                 out.keep_blocks = filtering.keep_blocks(stats.block_lse, lse, rows.targets, beta)
+        # Metrics of the rows that count (the kernels may skip ignored rows' tiles).
+        out.metrics = row_metrics.values(metrics, stats, lse, vocab, rows.valid)
     out.lse = returned_lse(lse, rows, args.lse_all_rows)
-    # Metrics of the rows that count (the kernels may skip ignored rows' tiles).
-    if out.entropy is not None:
-        out.entropy = torch.where(rows.valid, out.entropy, 0.0)
-    if out.argmax is not None:
-        out.argmax = torch.where(rows.valid, out.argmax, -1)
     if out.grad_hidden is not None:  # the op returns it in hidden's own dtype
         out.grad_hidden = out.grad_hidden.to(args.hidden.dtype)
     return out
@@ -152,10 +152,9 @@ def _expanded(out: ForwardOut, selection: compaction.Selection, args: Bound) -> 
     if args.reduction == "none":
         out.loss = compaction.expand_rows(out.loss, selection)
     out.lse = compaction.expand_rows(out.lse, selection)
-    if out.entropy is not None:
-        out.entropy = compaction.expand_rows(out.entropy, selection)
-    if out.argmax is not None:
-        out.argmax = compaction.expand_rows(out.argmax, selection, fill=-1)
+    for name, value in out.metrics.items():
+        fill = row_metrics.BY_NAME[name].ignored_value
+        out.metrics[name] = compaction.expand_rows(value, selection, fill=fill)
     if out.keep_blocks is not None:
         out.keep_blocks = compaction.expand_rows(out.keep_blocks, selection)
     if out.grad_hidden is not None:
@@ -217,6 +216,8 @@ def recompute(args: Bound, needs: Needs, gradients_rows: GradientRows) -> Gradie
         return gradients_rows(args, needs, budget)
     per_row = dict(lse=args.lse.reshape(-1))
     per_row["grad_lse"] = None if args.grad_lse is None else args.grad_lse.reshape(-1)
+    if args.has("grad_entropy") and args.grad_entropy is not None:
+        per_row.update(grad_entropy=args.grad_entropy.reshape(-1), entropy=args.entropy.reshape(-1))
     if args.grad_loss is not None and args.reduction == "none":
         per_row["grad_loss"] = args.grad_loss.reshape(-1)
     if args.has("keep_blocks"):  # (the vocabulary-parallel op filters nothing)
@@ -239,7 +240,13 @@ def coefficients(args: Bound, vocab: int) -> tuple[torch.Tensor, Coefficients]:
     grad_lse = None if args.grad_lse is None else args.grad_lse.reshape(-1)
     lse = args.lse.reshape(-1)
     rows = row_targets(args.targets, args.class_weights, spec, vocab)
-    return lse, row_coefficients(grad_loss, grad_lse, lse, rows, spec, vocab, args.lse_all_rows)
+    entropy = None
+    if args.has("grad_entropy") and args.grad_entropy is not None:
+        entropy = EntropyGradient(args.grad_entropy.reshape(-1), args.entropy.reshape(-1))
+    coefs = row_coefficients(
+        grad_loss, grad_lse, lse, rows, spec, vocab, args.lse_all_rows, entropy=entropy
+    )
+    return lse, coefs
 
 
 def head_inputs(

@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from .. import row_metrics
 from ..loss_math import LossSpec
 
 # Python annotation of a LossSpec field -> its type in an op schema.
@@ -158,10 +159,9 @@ FORWARD = Signature(
         Argument("grad_filter", "float?", default=None),
         # Compact away rows whose target is ignore_index before computing (compaction.py).
         Argument("skip_ignored", "bool", default=False),
-        # Also each row's entropy of the softmax and first largest logit's class, from the
-        # same pass (no gradient): what a trainer logs (TRL's entropy and token accuracy).
-        Argument("return_entropy", "bool", default=False),
-        Argument("return_argmax", "bool", default=False),
+        # Also each row's metrics, from the same pass (row_metrics.py: the entropy, with its
+        # gradient; the argmax, log sum p^2 and mean logit, without).
+        *(Argument(flag, "bool", default=False) for flag in row_metrics.FLAGS),
     ]
 )
 # What each output holds: ops._forward's docstring.
@@ -171,16 +171,18 @@ FORWARD_RETURNS = Returns(
     *FAST_BUFFERS.values(),  # fast mode's unit-upstream gradients
     "keep_blocks",
     "row_index",
-    "entropy",
-    "argmax",
+    *row_metrics.NAMES,
 )
 
 BACKWARD = Signature(
     [
         Argument("grad_loss", "Tensor?"),
         Argument("grad_lse", "Tensor?"),
+        # The returned entropy's gradient, and the entropy (loss_math's coef_e term).
+        Argument("grad_entropy", "Tensor?", default=None),
         *_INPUTS,
         Argument("lse", "Tensor"),
+        Argument("entropy", "Tensor?", default=None),
         Argument("keep_blocks", "Tensor?", default=None),  # gradient filtering's mask
         Argument("row_index", "Tensor?", default=None),  # the forward's rows (compaction.py)
         *_OPTIONS,

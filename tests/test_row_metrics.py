@@ -1,0 +1,263 @@
+"""The op's row metrics (row_metrics.py): each row's entropy (with its gradient), argmax,
+log sum p^2 and mean logit, from the same pass as the loss, against the float64 oracle, on the
+PyTorch path and (under the interpreter on CPU) the Triton path, in both modes, with and without
+skipping ignored rows."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from oracle import GRAD_RTOL, LOSS_RTOL, assert_close, oracle, oracle_logits, rel_error
+from strategies import build_case
+
+import cce_compile
+from cce_compile import config
+from cce_compile.implementations import torch_path
+from cce_compile.op import dispatch
+
+# Compaction at these small sizes on a GPU too (conftest.skip_at_any_size).
+pytestmark = pytest.mark.usefixtures("skip_at_any_size")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON = os.environ.get("TRITON_INTERPRET") == "1" or DEVICE == "cuda"
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("torch", id="torch-path"),
+        pytest.param(
+            "triton",
+            id="triton-path",
+            marks=pytest.mark.skipif(not TRITON, reason="needs a GPU or TRITON_INTERPRET=1"),
+        ),
+    ]
+)
+def implementation(request, monkeypatch):
+    if request.param == "triton":
+        from cce_compile.implementations import triton_path as impl
+    else:
+        impl = torch_path
+    monkeypatch.setattr(dispatch, "implementation_for", lambda device: impl)
+
+
+OPTIONS = {
+    "plain": {},
+    "softcap-scale-bias": dict(softcap=4.0, logit_scale=1.5, bias=True),
+    "shift-smoothing": dict(shift=1, label_smoothing=0.1),
+}
+
+
+def _case(options, seed=0, ignored=0.3):
+    case = build_case(
+        leading=(3, 13), dim=21, vocab=53, seed=seed, ignored_fraction=ignored, **options
+    )
+    for name in ("hidden", "classifier", "targets", "bias"):
+        value = getattr(case, name)
+        if value is not None:
+            setattr(case, name, value.to(DEVICE))
+    return case
+
+
+def _rows(case):
+    """hidden and targets of the loss rows."""
+    if case.shift:
+        return case.hidden[:, : -case.shift], case.targets[:, case.shift :]
+    return case.hidden, case.targets
+
+
+def _expected(case):
+    """float64 entropy, argmax, log sum p^2 and mean logit of every loss row (0, -1, 0, 0 at
+    ignored rows), differentiable with respect to the case's tensors."""
+    hidden, targets = _rows(case)
+    logits = oracle_logits(hidden, case.classifier, case.bias, case.softcap, case.logit_scale)
+    log_p = logits.log_softmax(-1)
+    valid = targets != case.ignore_index
+    return dict(
+        entropy=torch.where(valid, -(log_p.exp() * log_p).sum(-1), 0.0),
+        argmax=torch.where(valid, logits.argmax(-1), -1),
+        log_sum_sq_probs=torch.where(valid, torch.logsumexp(2 * log_p, -1), 0.0),
+        mean_logits=torch.where(valid, logits.mean(-1), 0.0),
+    )
+
+
+METRICS = ("entropy", "argmax", "log_sum_sq_probs", "mean_logits")
+FLAGS = {f"return_{name}": True for name in METRICS}
+
+
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+@pytest.mark.parametrize("skip", [True, False], ids=["skip-ignored", "every-row"])
+def test_every_metric_matches_the_oracle(implementation, options, skip):
+    case = _case(options)
+    with config.override(skip_ignored=skip):
+        loss, *metrics = cce_compile.linear_cross_entropy(
+            case.hidden, case.classifier, case.targets, case.bias, **FLAGS, **case.options()
+        )
+    want = _expected(case)
+    for name, got in zip(METRICS, metrics):
+        assert got.dtype == (torch.int64 if name == "argmax" else torch.float32), name
+        if name == "argmax":
+            assert torch.equal(got, want[name])
+        else:
+            assert_close(name, got, want[name], 1e-5, want[name].abs().max().item())
+    assert_close("loss", loss, oracle(case).float(), LOSS_RTOL[torch.float32])
+
+
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+@pytest.mark.parametrize("skip", [True, False], ids=["skip-ignored", "every-row"])
+def test_fast_mode_gives_the_entropy_and_argmax(implementation, options, skip):
+    case = _case(options)
+    case.hidden.requires_grad_()
+    with config.override(skip_ignored=skip):
+        loss, entropy, argmax = cce_compile.linear_cross_entropy(
+            *case_args(case), case.bias, mode="fast", return_entropy=True,
+            return_argmax=True, **case.options(),
+        )  # fmt: skip
+    want = _expected(case)
+    assert not argmax.requires_grad
+    scale = want["entropy"].abs().max().item()
+    assert_close("entropy", entropy, want["entropy"].detach(), 1e-5, scale)
+    assert torch.equal(argmax, want["argmax"])
+    assert_close("loss", loss, oracle(case).float(), LOSS_RTOL[torch.float32])
+
+
+def test_fast_mode_refuses_the_metrics_only_lean_computes():
+    case = _case({})
+    case.hidden.requires_grad_()
+    for flag in ("return_log_sum_sq_probs", "return_mean_logits"):
+        with pytest.raises(ValueError, match="mode='fast' computes no"):
+            cce_compile.linear_cross_entropy(*case_args(case), mode="fast", **{flag: True})
+
+
+GRADIENT_FORMS = {
+    # (reduction, mode): the per-token log-probs (RL's form, 'none', lean), and a scalar loss
+    # beside an entropy bonus (fast's buffers for the loss, the entropy's part recomputed).
+    "log-probs": ("none", "lean"),
+    "scalar-loss-lean": ("mean", "lean"),
+    "scalar-loss-fast": ("mean", "fast"),
+}
+
+
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+@pytest.mark.parametrize("form", GRADIENT_FORMS.values(), ids=GRADIENT_FORMS.keys())
+@pytest.mark.parametrize("skip", [True, False], ids=["skip-ignored", "every-row"])
+def test_entropy_gradient_matches_the_oracle(implementation, options, form, skip):
+    """d/d(hidden, classifier, bias) of sum(a * loss) + sum(g * entropy) with random upstream
+    a and g, against float64 autograd through the materialised logits."""
+    reduction, mode = form
+    case = _case(dict(options, reduction=reduction), seed=1)
+    leaves = [t.requires_grad_() for t in case.leaves()]
+    gen = torch.Generator().manual_seed(2)
+    rows = _rows(case)[1].shape
+    upstream_loss = torch.randn(rows if reduction == "none" else (), generator=gen).to(DEVICE)
+    upstream_entropy = torch.randn(rows, generator=gen).to(DEVICE)
+    with config.override(skip_ignored=skip):
+        loss, entropy = cce_compile.linear_cross_entropy(
+            *case_args(case), case.bias, mode=mode, return_entropy=True, **case.options()
+        )
+    got = torch.autograd.grad(
+        (loss * upstream_loss).sum() + (entropy * upstream_entropy).sum(), leaves
+    )
+    want_total = (oracle(case) * upstream_loss.double()).sum() + (
+        _expected(case)["entropy"] * upstream_entropy.double()
+    ).sum()
+    want = torch.autograd.grad(want_total, leaves)
+    for name, g, w in zip(("hidden", "classifier", "bias"), got, want):
+        error = rel_error(g, w)
+        assert error < GRAD_RTOL[torch.float32], f"{name}: {error:.2e}"
+
+
+def test_entropy_alone_carries_a_gradient(implementation):
+    """The loss unused: the gradient is the entropy's alone (the loss's upstream is None)."""
+    case = _case(dict(reduction="none", softcap=3.0))
+    leaves = [t.requires_grad_() for t in case.leaves()]
+    _, entropy = cce_compile.linear_cross_entropy(
+        *case_args(case), return_entropy=True, **case.options()
+    )
+    got = torch.autograd.grad(entropy.sum(), leaves)
+    want = torch.autograd.grad(_expected(case)["entropy"].sum(), leaves)
+    for g, w in zip(got, want):
+        assert rel_error(g, w) < GRAD_RTOL[torch.float32]
+
+
+def test_lse_and_entropy_gradients_add_up():
+    case = _case(dict(reduction="sum"))
+    leaves = [t.requires_grad_() for t in case.leaves()]
+    loss, lse, entropy = cce_compile.linear_cross_entropy(
+        *case_args(case), mode="fast", return_lse=True, return_entropy=True, **case.options()
+    )
+    got = torch.autograd.grad(loss + lse.sum() * 0.5 - entropy.sum() * 0.1, leaves)
+    want_loss, want_lse = oracle(case, return_lse=True)
+    want_total = want_loss + want_lse.sum() * 0.5 - _expected(case)["entropy"].sum() * 0.1
+    want = torch.autograd.grad(want_total, leaves)
+    for g, w in zip(got, want):
+        assert rel_error(g, w) < GRAD_RTOL[torch.float32]
+
+
+def test_without_grad_nothing_is_saved_and_metrics_carry_no_graph():
+    """Old and reference log-probs: under no_grad the op records no autograd node."""
+    case = _case(dict(reduction="none"))
+    case.hidden.requires_grad_()
+    with torch.no_grad():
+        loss, entropy = cce_compile.linear_cross_entropy(
+            *case_args(case), return_entropy=True, **case.options()
+        )
+    assert loss.grad_fn is None and entropy.grad_fn is None
+
+
+def test_argmax_takes_the_first_of_tied_logits(implementation):
+    """Two classes share the largest logit: the first wins, as in torch.argmax; the tie spans
+    the Triton path's tiles and programs (classes 3 and 40 of 53)."""
+    case = _case({}, ignored=0.0)
+    case.classifier[40] = case.classifier[3]
+    _, argmax = cce_compile.linear_cross_entropy(
+        case.hidden, case.classifier, case.targets, reduction="none", return_argmax=True
+    )
+    assert torch.equal(argmax, _expected(case)["argmax"])
+    assert (argmax != 40).all()
+
+
+def test_with_the_lse_the_outputs_come_in_order():
+    case = _case({})
+    loss, lse, *metrics = cce_compile.linear_cross_entropy(
+        *case_args(case), reduction="none", return_lse=True, **FLAGS
+    )
+    shape = case.targets.shape
+    assert loss.shape == lse.shape == shape
+    assert all(m.shape == shape for m in metrics)
+    assert [m.dtype for m in metrics] == [torch.float32, torch.int64, torch.float32, torch.float32]
+
+
+def test_compiled_fullgraph_gives_the_same_metrics_and_entropy_gradient():
+    case = _case({})
+
+    def metrics(h, c, t):
+        return cce_compile.linear_cross_entropy(h, c, t, reduction="none", **FLAGS)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(metrics, backend="aot_eager", fullgraph=True)
+    hidden = case.hidden.clone().requires_grad_()
+    got = compiled(hidden, case.classifier, case.targets)
+    want = metrics(case.hidden.requires_grad_(), case.classifier, case.targets)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    (grad,) = torch.autograd.grad(got[1].sum(), hidden)
+    (want_grad,) = torch.autograd.grad(want[1].sum(), case.hidden)
+    assert torch.equal(grad, want_grad)
+
+
+def case_args(case):
+    return case.hidden, case.classifier, case.targets
+
+
+def test_not_served_under_a_functorch_transform():
+    case = _case({})
+
+    def loss_of(h):
+        return cce_compile.linear_cross_entropy(
+            h, case.classifier, case.targets, return_entropy=True
+        )[0]
+
+    with pytest.raises(NotImplementedError, match="return_entropy"):
+        torch.func.grad(loss_of)(case.hidden)
