@@ -36,7 +36,7 @@ except config.SettingsError as error:
     # Without the frames of config.py's reading of the environment, at import time.
     raise error.with_traceback(None) from None
 
-from .passes import tracing  # noqa: E402  (after the check: no side effects on a bad setting)
+from .passes import ddp_split, tracing  # noqa: E402  (after the check: no side effects on a bad setting)
 from .passes.graph_pass import run_on_module  # noqa: E402
 
 
@@ -64,7 +64,9 @@ def _reset() -> None:
 
 
 backend.reset = _reset  # type: ignore[attr-defined]
+setattr(backend, ddp_split.RUNS_THE_PASS, True)  # DDP's graph cut runs the pass first
 tracing.install()
+ddp_split.install()
 
 # Registered by name on import too, for environments without the entry point (source trees).
 if "cce" not in torch._dynamo.list_backends(exclude_tags=()):

@@ -17,7 +17,7 @@ from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.utils import counters
 
 import cce_compile
-from cce_compile.passes import tracing
+from cce_compile.passes import ddp_split, tracing
 from cce_compile.passes.graph_pass import run_on_module
 
 OP = torch.ops.cce.linear_cross_entropy.default
@@ -62,6 +62,7 @@ def _capturing(inner: str, graphs: list, frames: list):
         graphs.append(gm)
         return compiled
 
+    backend.runs_cce_pass = True  # as cce_compile.backend: DDP's graph cut runs the pass first
     return backend
 
 
@@ -144,6 +145,7 @@ def check(
     counters.clear()
     torch._dynamo.reset()
     tracing.install()  # what importing the cce backend does
+    ddp_split.install()
     graphs, frames = [], []
     if backend == "hook":
 

@@ -19,7 +19,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .. import config
-from . import tracing
+from . import ddp_split, tracing
 from .graph_pass import CCEGraphPass, is_cce_pass
 
 _PASS = CCEGraphPass()
@@ -94,6 +94,7 @@ def enable() -> None:
         _install([*_flatten(inductor_config.pre_grad_custom_pass), _PASS])
     _run_before_cache_lookup(True)
     tracing.install()
+    ddp_split.install()
 
 
 def disable() -> None:

@@ -107,7 +107,10 @@ def explain(fn_or_model, *args, **kwargs) -> Report:
         graph_breaks.compilation_metrics()
     )  # a bounded deque: the new entries are told by identity
     compiled = torch.compile(fn_or_model, backend=recording_backend)
-    compiled(*args, **kwargs)
+    # DDP's graph cut (DDPOptimizer) comes after the pass (ddp_split.py): the whole graph is
+    # what the pass sees.
+    with torch._dynamo.config.patch(optimize_ddp=False):
+        compiled(*args, **kwargs)
     metrics = graph_breaks.new_metrics(seen)
     graph_breaks.breaks_from_metrics(report.breaks, metrics)
     report.skipped_frames = graph_breaks.skipped_frames(metrics)
