@@ -1,57 +1,59 @@
-"""cce_compile's op under TRL 1.16's fused LM head. Opt-in::
+"""cce_compile's op under TRL 1.16's fused LM head, for every trainer. Opt-in::
 
     from cce_compile.integrations import trl as cce_trl
 
     cce_trl.install()              # raises TRLIntegrationError unless TRL is the one below
-    SFTTrainer(...).train()        # the fused head's log-probs come from cce_compile's op
+    GRPOTrainer(...).train()       # the fused head's outputs come from cce_compile's op
     cce_trl.counts()               # {'served': ..., 'handed_to_trl': ..., 'reasons': {...}}
     cce_trl.uninstall()            # TRL's own function again
 
-Why a hook and not the graph pass: every TRL 1.16 trainer (SFT, DPO, KTO, GRPO, RLOO) patches
-its model with ``trl.trainer.utils.add_fused_lm_head``, whose ``fused_lm_head=True`` forward
-never builds the logits: it calls, looked up at call time, the module global
+or, with no change to the script, the start-up hook (``CCE_COMPILE=1``) calls
+``install_on_import()``, which installs it when TRL's trainer utilities are imported.
+
+Why a hook and not the graph pass: every TRL 1.16 trainer (SFT, DPO and WPO, KTO, GRPO, RLOO)
+patches its model with ``trl.trainer.utils.add_fused_lm_head``, whose ``fused_lm_head=True``
+forward never builds the logits: it calls, looked up at call time, the module global
 ``trl.trainer.utils._ChunkedLogProbFunction`` (TRL's ``ChunkedLogProbFunction``)::
 
     apply(hidden[N, D], weight[V, D], bias | None, targets[N], temperature, chunk_size,
           final_logit_softcapping, logit_scale, outputs)
       -> (log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1), None where not in outputs
 
-So there is no ``linear -> cross_entropy`` for the pass to find. ``install()`` assigns that
-global, once it has checked that TRL is the version, global, signature and set of outputs this
-code was written for, and that ours agrees with TRL's function on a tiny problem.
+That one global serves the policy's call with gradients, the no-grad calls for old log-probs
+(GRPO, RLOO) and KTO's KL term, and the reference model's calls. ``install()`` assigns it once
+it has checked that TRL is the version, global, signature and set of outputs this code was
+written for, and that ours agrees with TRL's function on a tiny problem.
 
-Served by the op (``reduction='none'``; temperature folded into ``logit_scale`` and
-``softcap``): SFTTrainer's ``("log_probs", "entropy", "is_top1")``, whose entropy it detaches,
-and a reference model's ``("log_probs",)``. Entropy and argmax are the op's ``return_entropy`` /
-``return_argmax`` outputs, from the loss's own pass, without gradient. Handed to TRL's own
-function unchanged (``_reason_to_hand_over``): ``log_sum_sq_probs`` / ``mean_logits`` (DPO, KTO),
-the RL policies' ``("log_probs", "entropy")`` (GRPO, RLOO: their loss may differentiate the
-entropy, and their no-grad and grad calls must use one kernel for the importance ratio),
-float64, DTensors, DeepSpeed ZeRO-3 (its backward must re-gather the head), a temperature or
-softcap <= 0.
+Every request is served by the op (``reduction='none'``, lean mode; TRL's temperature, which it
+applies after the softcap, folded exactly into ``logit_scale / T`` and ``softcap / T``):
+log-probs and entropy with gradients (an RL entropy bonus), ``is_top1`` as ``argmax ==
+target``, DPO's and KTO's ``mean_logits`` and WPO's ``log_sum_sq_probs``. So a trainer's grad
+and no-grad calls, and its policy and reference calls, run one kernel: a row's log-prob has the
+same bits whatever the grad mode and the outputs asked for, and GRPO's importance ratio is
+exactly 1, DPO's step-0 loss exactly log 2. Handed to TRL's own function, for reasons that are
+the same for all of a model's calls (said once each at WARNING): float64, DTensors, DeepSpeed
+ZeRO-3 (its backward must re-gather the head), a temperature or softcap <= 0.
 
 Numerics: the op keeps float32 logits from the (autocast-rounded) operands; TRL rounds each
-logits tile to the compute dtype. In float32 the two agree to ~1e-7; under bf16 autocast
-(SFTConfig's default ``bf16=True``) the logged loss, entropy and accuracy differ slightly, ours
-closer to the exact values. Hence opt-in. docs/trl.md.
+logits tile to the compute dtype. In float32 the two agree to ~1e-7; under bf16 autocast the
+logged values differ slightly, ours closer to the exact ones. docs/trl.md.
+
+This module imports neither torch nor TRL until it is used: the start-up hook imports it in
+every process.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
 import inspect
 import logging
 import math
 import sys
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
-
-from ..functional import linear_cross_entropy
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch built without distributed
-    DTensor = ()
+if TYPE_CHECKING:
+    from torch import Tensor
 
 log = logging.getLogger("cce_compile")
 
@@ -70,7 +72,16 @@ _FORWARD_PARAMS = (
     "outputs",
 )
 _OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-SERVED_OUTPUTS = frozenset({"log_probs", "entropy", "is_top1"})
+# TRL's optional outputs -> the op's row metrics (its ``return_<name>`` flags), and the order
+# in which linear_cross_entropy returns those after the loss.
+_OP_METRIC = {
+    "entropy": "entropy",
+    "is_top1": "argmax",
+    "log_sum_sq_probs": "log_sum_sq_probs",
+    "mean_logits": "mean_logits",
+}
+_OP_ORDER = ("entropy", "argmax", "log_sum_sq_probs", "mean_logits")
+_UTILS = "trl.trainer.utils"
 _GLOBAL = "_ChunkedLogProbFunction"  # in trl.trainer.utils
 
 _original: type | None = None  # TRL's function, while ours is installed
@@ -95,10 +106,11 @@ def _refuse(found: str) -> TRLIntegrationError:
 
 
 def _trl_modules():
-    """(kernel module, trainer utils module) of the installed TRL."""
+    """(kernel module, trainer utils module) of the installed TRL. By import_module, which
+    also returns trl.trainer.utils while its import is finishing (install_on_import)."""
     try:
-        import trl.kernels.chunked_logprob as kernel
-        import trl.trainer.utils as trainer_utils
+        kernel = importlib.import_module("trl.kernels.chunked_logprob")
+        trainer_utils = importlib.import_module(_UTILS)
     except ImportError as exc:
         raise TRLIntegrationError(
             f"cce_compile.integrations.trl needs trl {SUPPORTED_TRL[0]}.{SUPPORTED_TRL[1]}.x "
@@ -144,21 +156,27 @@ def _zero3() -> bool:
     return bool(is_deepspeed_zero3_enabled())
 
 
+def _is_dtensor(tensor) -> bool:
+    # No DTensor exists unless torch.distributed.tensor was imported.
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
 def _reason_to_hand_over(hidden, weight, bias, temperature, softcap, outputs) -> str | None:
-    """Why the op cannot serve this call exactly as TRL would (TRL's function then does)."""
-    extra = set(outputs) - SERVED_OUTPUTS
-    if extra:
-        return f"outputs {sorted(extra)}"
-    if "entropy" in outputs and "is_top1" not in outputs:
-        # ("log_probs", "entropy") is the RL policies' request (GRPO, RLOO, async GRPO): their
-        # loss may differentiate the entropy (an entropy bonus), which the op's has no
-        # gradient for, and the no-grad call that gives the old log-probs must use the same
-        # kernel as the one with gradients. SFTTrainer asks for is_top1 too, and detaches.
-        return "entropy of an RL policy"
+    """Why the op cannot serve this call exactly as TRL would (TRL's function then does).
+    Each reason holds for every call of a model (its dtypes, its head's sharding, its
+    temperature and softcap, the process's DeepSpeed stage), with and without gradients: a
+    model's grad and no-grad calls are never split between the two kernels."""
+    import torch
+
+    unknown = set(outputs) - {"log_probs", *_OPTIONAL_OUTPUTS}
+    if unknown:
+        return f"outputs {sorted(unknown)} unknown to this integration"
     tensors = [t for t in (hidden, weight, bias) if t is not None]
     if any(t.dtype == torch.float64 for t in tensors):
-        return "float64"
-    if any(isinstance(t, DTensor) for t in tensors):
+        return "float64 (the op computes in float32, bf16 or float16)"
+    if any(_is_dtensor(t) for t in tensors):
         return "DTensor"
     if hidden.dim() != 2:
         return "hidden is not 2-D"
@@ -170,8 +188,13 @@ def _reason_to_hand_over(hidden, weight, bias, temperature, softcap, outputs) ->
 
 
 def _serve(hidden, weight, bias, targets, temperature, softcap, logit_scale, outputs):
-    """TRL's 5-tuple from cce_compile's op: float32 log-probs (differentiable), float32 entropy
-    and bool is_top1 (no gradient), None for the fields not asked for."""
+    """TRL's 5-tuple from cce_compile's op: float32 log-probs and entropy (differentiable),
+    float32 log_sum_sq_probs and mean_logits and bool is_top1 (no gradient), None for the
+    fields not asked for."""
+    import torch
+
+    from ..functional import linear_cross_entropy
+
     # TRL's logits: softcap * tanh(logit_scale * y / softcap) / T, the op's: c * tanh(s * y / c);
     # with s = logit_scale / T and c = softcap / T they are the same.
     scale = float(logit_scale) / float(temperature)
@@ -181,9 +204,8 @@ def _serve(hidden, weight, bias, targets, temperature, softcap, logit_scale, out
         # hidden beside a bf16 head): so does the op, with gradients in the head's own dtype.
         weight = weight.to(hidden.dtype)
         bias = None if bias is None else bias.to(hidden.dtype)
-    want_entropy, want_top1 = "entropy" in outputs, "is_top1" in outputs
-    # The op's entropy and argmax come from the loss's own pass, without gradient: SFTTrainer
-    # detaches its entropy; an RL policy's entropy is handed to TRL (_reason_to_hand_over).
+    wanted = {_OP_METRIC[name] for name in outputs if name in _OP_METRIC}
+    asked = [name for name in _OP_ORDER if name in wanted]
     result = linear_cross_entropy(
         hidden,
         weight,
@@ -192,24 +214,26 @@ def _serve(hidden, weight, bias, targets, temperature, softcap, logit_scale, out
         reduction="none",
         logit_scale=scale,
         softcap=cap,
-        return_entropy=want_entropy,
-        return_argmax=want_top1,
+        # Lean, whatever CCE_MODE says: one forward for the grad and the no-grad calls.
+        mode="lean",
+        **{f"return_{name}": True for name in asked},
     )
-    # (a bare tensor when neither metric is asked for: a reference model's log-probs)
+    # (a bare tensor when no metric is asked for: a reference model's log-probs)
     nll, *metrics = result if isinstance(result, tuple) else (result,)
-    entropy = metrics.pop(0) if want_entropy else None
-    is_top1 = metrics.pop(0) == targets if want_top1 else None
-    return -nll, entropy, None, None, is_top1
+    value = dict(zip(asked, metrics))
+    argmax = value.get("argmax")
+    is_top1 = None if argmax is None else argmax == targets
+    extras = value.get("log_sum_sq_probs"), value.get("mean_logits")
+    return -nll, value.get("entropy"), *extras, is_top1
 
 
-@torch.compiler.assume_constant_result
 def _tally(key: str, reason: str = "") -> bool:
     """Count a served or handed-over call, and log a reason to hand over the first time.
 
-    Under torch.compile Dynamo runs this once per trace instead of putting it in the graph (a
-    counter in the graph would be a guard on its value: a recompile per step), so compiled
-    code is counted per trace (one or a few per compilation: Dynamo may restart a trace), not
-    per call.
+    ``install()`` marks it ``torch.compiler.assume_constant_result``: under torch.compile
+    Dynamo runs it once per trace instead of putting it in the graph (a counter in the graph
+    would be a guard on its value: a recompile per step), so compiled code is counted per trace
+    (one or a few per compilation: Dynamo may restart a trace), not per call.
     """
     _counts[key] += 1
     if reason:
@@ -266,40 +290,49 @@ class CCEChunkedLogProb:
         )
 
 
+# The self-check's two problems: (bias, temperature, softcap, logit_scale).
+_CHECK_CASES = ((False, 1.0, None, 1.0), (True, 0.7, 3.0, 0.5))
+
+
 def _self_check(trl_function: type) -> None:
-    """Ours against TRL's own function on tiny float32 problems (CPU, milliseconds): values of
-    every served output and the gradients of the log-probs."""
+    """Ours against TRL's own function on tiny float32 problems (CPU, milliseconds): every
+    output, and the gradients of the log-probs and of the entropy."""
+    import torch
+
     gen = torch.Generator().manual_seed(0)
     rows, dim, vocab = 6, 8, 37
     hidden = torch.randn(rows, dim, generator=gen, requires_grad=True)
     weight = (torch.randn(vocab, dim, generator=gen) / math.sqrt(dim)).requires_grad_()
     bias = torch.randn(vocab, generator=gen).requires_grad_()
     targets = torch.randint(0, vocab, (rows,), generator=gen)
-    outputs = ("log_probs", "entropy", "is_top1")
-    cases = ((None, 1.0, None, 1.0), (bias, 0.7, 3.0, 0.5))  # bias, temperature, softcap, scale
+    entropy_weights = torch.rand(rows, generator=gen)
+    outputs = ("log_probs", *_OPTIONAL_OUTPUTS)
     with torch.autocast("cpu", enabled=False):
-        for case_bias, temperature, softcap, scale in cases:
-            args = (targets, temperature, 16, softcap, scale, outputs)
-            want = trl_function.apply(hidden, weight, case_bias, *args)
-            got = _serve(hidden, weight, case_bias, targets, temperature, softcap, scale, outputs)
+        for with_bias, temperature, softcap, scale in _CHECK_CASES:
+            case_bias = bias if with_bias else None
             inputs = tuple(t for t in (hidden, weight, case_bias) if t is not None)
-            want_grads = torch.autograd.grad(want[0].sum(), inputs)
-            got_grads = torch.autograd.grad(got[0].sum(), inputs)
+            args = (hidden, weight, case_bias, targets, temperature, 16, softcap, scale, outputs)
+            want = trl_function.apply(*args)
+            got = _serve(*args[:4], temperature, softcap, scale, outputs)
             agree = {
-                "log_probs": torch.allclose(got[0], want[0], rtol=1e-4, atol=1e-5),
-                "entropy": torch.allclose(got[1], want[1].detach(), rtol=1e-4, atol=1e-5),
-                "is_top1": torch.equal(got[4], want[4]),
-                "gradients": all(
-                    torch.allclose(a, b, rtol=1e-4, atol=1e-6)
-                    for a, b in zip(got_grads, want_grads)
-                ),
+                name: torch.allclose(ours, theirs.detach(), rtol=1e-4, atol=1e-5)
+                for name, ours, theirs in zip(("log_probs", *_OPTIONAL_OUTPUTS[:3]), got, want)
             }
+            agree["is_top1"] = torch.equal(got[4], want[4])
+            # a GRPO-like objective: log-probs plus an entropy bonus
+            want_grads = torch.autograd.grad(
+                want[0].sum() + (entropy_weights * want[1]).sum(), inputs
+            )
+            got_grads = torch.autograd.grad(got[0].sum() + (entropy_weights * got[1]).sum(), inputs)
+            agree["gradients"] = all(
+                torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(got_grads, want_grads)
+            )
             if not all(agree.values()):
                 raise TRLIntegrationError(
                     "cce_compile's op disagrees with TRL's ChunkedLogProbFunction on a tiny "
                     f"problem (temperature {temperature}, softcap {softcap}, logit_scale "
-                    f"{scale}, bias {case_bias is not None}): {agree}. Nothing was changed; "
-                    "please report this with your trl and torch versions."
+                    f"{scale}, bias {with_bias}): {agree}. Nothing was changed; please report "
+                    "this with your trl and torch versions."
                 )
 
 
@@ -309,12 +342,15 @@ def install(*, self_check: bool = True) -> None:
     ``TRLIntegrationError`` and changes nothing when the installed TRL is not 1.16.x as
     checked by ``check_trl``, or when ``self_check`` finds the two disagreeing."""
     global _original
+    import torch
+
     _, trainer_utils = _trl_modules()
     if getattr(trainer_utils, _GLOBAL, None) is CCEChunkedLogProb:
         return
     trl_function = check_trl()
     if self_check:
         _self_check(trl_function)
+    torch.compiler.assume_constant_result(_tally)  # marks the function itself (_tally's doc)
     _original = trl_function
     setattr(trainer_utils, _GLOBAL, CCEChunkedLogProb)
     log.info("cce_compile.integrations.trl: installed under TRL's fused LM head")
@@ -339,7 +375,7 @@ def uninstall() -> None:
 
 def installed() -> bool:
     """Is cce_compile's op under TRL's fused LM head now? (Does not import TRL.)"""
-    trainer_utils = sys.modules.get("trl.trainer.utils")
+    trainer_utils = sys.modules.get(_UTILS)
     return getattr(trainer_utils, _GLOBAL, None) is CCEChunkedLogProb
 
 
@@ -353,3 +389,57 @@ def counts() -> dict:
 def reset_counts() -> None:
     _counts.update(served=0, handed_to_trl=0)
     _reasons.clear()
+
+
+# --- installing when TRL is imported (the CCE_COMPILE=1 start-up hook) ---------------------
+
+
+def install_on_import() -> None:
+    """Install when ``trl.trainer.utils`` is imported (at once if it already is), for the
+    start-up hook: a TRL script then needs no edit. ``import trl`` alone imports nothing of
+    TRL's trainers (its package is lazy); the first trainer import (``from trl import
+    GRPOTrainer``) executes ``trl.trainer.utils``, and the install follows it. Never fails the
+    import: a TRL this integration refuses, or any error, is one WARNING line and leaves TRL's
+    own kernel. Imports neither torch nor TRL itself."""
+    if _UTILS in sys.modules:
+        _install_or_warn()
+    elif not any(isinstance(finder, _AfterTRLUtilsImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterTRLUtilsImport())
+
+
+def _install_or_warn() -> None:
+    try:
+        install()
+    except Exception as error:  # the user's import must go on: TRL's kernel stays
+        log.warning(
+            "cce_compile: CCE_COMPILE=1 left TRL's fused LM head to TRL's own kernel: %s: %s",
+            type(error).__name__,
+            error,
+        )
+
+
+class _AfterTRLUtilsImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: takes the spec the other finders give ``trl.trainer.utils`` and
+    wraps its loader so that ``install()`` runs right after the module's code (the global it
+    replaces is bound by then). One shot."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _UTILS:
+            return None
+        sys.meta_path.remove(self)  # one shot, and no recursion below
+        spec = None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        original_exec = spec.loader.exec_module
+
+        def exec_module(module):
+            original_exec(module)
+            _install_or_warn()
+
+        spec.loader.exec_module = exec_module
+        return spec
