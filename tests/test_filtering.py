@@ -79,7 +79,7 @@ def _bound(case, beta):
     upstream = torch.ones(
         () if case.reduction != "none" else rows.targets.shape, dtype=torch.float64
     )
-    coef_p, _, _ = loss_math.row_coefficients(upstream, None, lse.reshape(-1), rows, spec, vocab)
+    coef_p = loss_math.row_coefficients(upstream, None, lse.reshape(-1), rows, spec, vocab).p
     scale = abs(case.logit_scale)
     h_rows = hidden.reshape(-1, hidden.shape[-1])
     return {

@@ -77,9 +77,9 @@ def test_old_log_probs_are_the_policy_log_probs_bit_for_bit():
 
 def test_dpo_and_kto_metrics_match_float64():
     hidden, classifier, ids = _policy(torch.bfloat16, rows=517, seed=3)
-    _, lsq, mean_logits, argmax = cce_compile.linear_cross_entropy(
-        hidden, classifier, ids, reduction="none", return_log_sum_sq_probs=True,
-        return_mean_logits=True, return_argmax=True,
+    _, argmax, lsq, mean_logits = cce_compile.linear_cross_entropy(
+        hidden, classifier, ids, reduction="none", return_argmax=True,
+        return_log_sum_sq_probs=True, return_mean_logits=True,
     )  # fmt: skip
     z = F.linear(hidden.double(), classifier.double())
     valid = ids != -100
