@@ -398,9 +398,10 @@ def install_on_import() -> None:
     """Install when ``trl.trainer.utils`` is imported (at once if it already is), for the
     start-up hook: a TRL script then needs no edit. ``import trl`` alone imports nothing of
     TRL's trainers (its package is lazy); the first trainer import (``from trl import
-    GRPOTrainer``) executes ``trl.trainer.utils``, and the install follows it. Never fails the
-    import: a TRL this integration refuses, or any error, is one WARNING line and leaves TRL's
-    own kernel. Imports neither torch nor TRL itself."""
+    GRPOTrainer``) executes ``trl.trainer.utils``, and the install follows it. A TRL this
+    integration refuses, or any other error, is one WARNING line and leaves TRL's own kernel; a
+    bad CCE_* setting stops the program with its one line (SystemExit), as the start-up hook's
+    first torch.compile does. Imports neither torch nor TRL itself."""
     if _UTILS in sys.modules:
         _install_or_warn()
     elif not any(isinstance(finder, _AfterTRLUtilsImport) for finder in sys.meta_path):
@@ -408,9 +409,18 @@ def install_on_import() -> None:
 
 
 def _install_or_warn() -> None:
+    from .. import config
+
     try:
         install()
-    except Exception as error:  # the user's import must go on: TRL's kernel stays
+    except config.SettingsError as error:
+        # A mistyped CCE_* value: the run asked to fuse stops rather than train unfused, as
+        # the start-up hook's first torch.compile does.
+        raise SystemExit(
+            f"cce_compile: {error}; CCE_COMPILE=1 stops here rather than leave TRL's fused LM "
+            "head unfused"
+        ) from None
+    except Exception as error:  # the user's import goes on: TRL's kernel stays
         log.warning(
             "cce_compile: CCE_COMPILE=1 left TRL's fused LM head to TRL's own kernel: %s: %s",
             type(error).__name__,

@@ -207,6 +207,19 @@ def test_install_on_import_leaves_trl_with_one_warning_when_it_refuses(monkeypat
     assert "TRL's own kernel" in record.getMessage() and "1.17.0" in record.getMessage()
 
 
+def test_install_on_import_stops_on_a_bad_setting(monkeypatch):
+    """As the start-up hook's first torch.compile does: a run asked to fuse never trains
+    unfused because of a mistyped CCE_* value."""
+    from cce_compile import config
+
+    def bad_setting(**kwargs):
+        raise config.SettingsError("CCE_MODE='turbo' is not one of ('auto', 'lean', 'fast')")
+
+    monkeypatch.setattr(cce_trl, "install", bad_setting)
+    with pytest.raises(SystemExit, match="CCE_MODE='turbo'.*stops here"):
+        cce_trl.install_on_import()
+
+
 # ------------------------------------------------------------------ served calls
 
 
