@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import subprocess
 import sys
 
@@ -190,7 +191,9 @@ def test_install_on_import_installs_when_trls_trainer_utilities_load():
         "import trl.trainer.utils as u\n"
         "assert t.installed() and u._ChunkedLogProbFunction is t.CCEChunkedLogProb\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    # (without CCE_* variables: the start-up hook would install its own finder first)
+    environ = {key: value for key, value in os.environ.items() if not key.startswith("CCE_")}
+    subprocess.run([sys.executable, "-c", code], check=True, env=environ)
 
 
 def test_install_on_import_installs_at_once_when_trl_is_loaded():
