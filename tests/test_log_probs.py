@@ -74,3 +74,13 @@ def test_a_temperature_that_is_not_a_positive_number_is_refused(temperature):
         )
     with pytest.raises(TypeError, match="temperature"):
         cce_compile.linear_log_probs(case.hidden, case.classifier, case.targets, temperature="1")
+
+
+def test_a_row_gets_the_same_bits_whatever_the_batch_it_comes_in():
+    """TRL passes only labelled rows, so an old policy's and the policy's calls can hold a row
+    in batches of different sizes: its log-prob must not depend on them (CPU path: the slabs
+    of classes are sized from the vocabulary alone)."""
+    case = build_case(leading=(1, 1100), dim=32, vocab=5000, seed=7, ignored_fraction=0.0)
+    whole = cce_compile.linear_log_probs(case.hidden, case.classifier, case.targets)
+    few = cce_compile.linear_log_probs(case.hidden[:, :17], case.classifier, case.targets[:, :17])
+    assert torch.equal(few, whole[:, :17])

@@ -102,10 +102,13 @@ class _Tiles:
 
     @staticmethod
     def of(n_rows: int, vocab: int, budget: int) -> _Tiles:
-        rows = max(1, min(n_rows, ROW_TILE))
+        # The slab's width from the vocabulary alone: a row's lse is then summed over the same
+        # slabs whatever the call's row count, so an RL trainer's no-grad and grad calls of
+        # different batch sizes give a row the same bits (an importance ratio of exactly 1).
         cols = vocab
-        if rows * vocab > TILE_ELEMENTS:
-            cols = min(vocab, max(SLAB_ALIGN, TILE_ELEMENTS // rows // SLAB_ALIGN * SLAB_ALIGN))
+        if ROW_TILE * vocab > TILE_ELEMENTS:
+            cols = min(vocab, max(SLAB_ALIGN, TILE_ELEMENTS // ROW_TILE // SLAB_ALIGN * SLAB_ALIGN))
+        rows = max(1, min(n_rows, ROW_TILE, TILE_ELEMENTS // cols))
         return _Tiles(max(1, min(rows, cpu_chunk_rows(cols, budget))), cols)
 
     def buffer(self, n_rows: int, device: torch.device) -> torch.Tensor:
