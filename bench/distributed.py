@@ -10,8 +10,12 @@
    ColwiseParallel head through ``cce_compile.backend`` (the pass, then Inductor) in each
    mode; loss and gradients against a float64 oracle of the whole vocabulary
    (tests/oracle.py tolerances).
-2. Cost at Llama-3-like sizes (N tokens x D x V, bf16, 10% ignored), forward+backward of the
-   head and loss on each rank, median of CUDA-event timings:
+2. Cost at Llama-3-like sizes (N tokens x D x V), forward+backward of the head and loss on
+   each rank, median of CUDA-event timings, in each scenario (``--scenarios``: bf16 hidden and
+   head, or float32 ones under bf16 autocast (AMP); 10% or 50% of the targets ignored). Each
+   method compiles once per precision and runs both shares of ignored targets on that graph;
+   its loss and hidden's gradient are compared with loss_parallel's on the same inputs and
+   the same weights, and the pass's ``rewritten`` count says whether the head was fused:
    * ``loss_parallel``: ``ColwiseParallel(use_local_output=False)`` lm_head, cross_entropy
      under ``loss_parallel()``, compiled by Inductor (torchtitan's recipe);
    * ``cce_pass_lean`` / ``cce_pass_fast``: the same compiled step, the head rewritten by the
@@ -23,13 +27,16 @@
    own bytes (what the loss costs beyond its results).
 
 Writes ``results.json`` (GPU, torch, triton versions, every number) and ``results.md`` to
-``--out`` (rank 0). About 3 minutes on 2 H200s, most of it Inductor compiling.
+``--out`` (rank 0). About 3 minutes on 2 H200s with every method and the correctness cases,
+most of it Inductor compiling; ``bench/multi_gpu.py`` runs the table alone
+(``--skip-correctness``) with fewer methods.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import pathlib
@@ -197,11 +204,12 @@ def _mode_of(method: str):
     return cce_compile.config.override(mode=mode)
 
 
-def head_step(mesh, vocab, dim, method):
-    """(fn(hidden, targets) -> loss, lm_head) for a compiled ColwiseParallel head."""
+def head_step(mesh, vocab, dim, method, dtype=torch.bfloat16):
+    """(fn(hidden, targets) -> loss, lm_head) for a compiled ColwiseParallel head whose weight
+    is ``dtype`` (float32 for AMP: the caller enters autocast)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    head = nn.Linear(dim, vocab, bias=False, device=DEVICE, dtype=torch.bfloat16)
+    head = nn.Linear(dim, vocab, bias=False, device=DEVICE, dtype=dtype)
     parallelize_module(head, mesh, ColwiseParallel(use_local_output=False))
 
     def step(hidden, targets):
@@ -241,78 +249,138 @@ def _memory() -> tuple[int, int]:
     return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
 
 
-def bench_shape(name, mesh, reps, warmup, methods) -> list[dict]:
+def parse_scenario(name: str) -> tuple[bool, float]:
+    """(amp, share of targets ignored) of a scenario named ``bf16-ign10``, ``amp-ign50``: bf16
+    hidden and head weight, or float32 ones under bf16 autocast; 10% or 50% of the targets
+    -100 (drawn per row)."""
+    precision, ignored = name.split("-")
+    if precision not in ("bf16", "amp") or not ignored.startswith("ign"):
+        raise ValueError(f"scenario {name!r}: expected (bf16|amp)-ign<percent>")
+    return precision == "amp", int(ignored.removeprefix("ign")) / 100
+
+
+def _plain(tensor):
     from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _method_step(method, mesh, shape, shard_weight, dtype):
+    """(run(targets) -> loss, gradient leaves, context) of one method on this rank's shard
+    ``shard_weight`` (the same values for every method, so their losses compare)."""
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from cce_compile.distributed import collectives, vocab_parallel_cross_entropy
+    from cce_compile.distributed import vocab_parallel_cross_entropy
 
-    n, dim, vocab = {**SHAPES, **SMOKE_SHAPES}[name]
+    n, dim, vocab = shape
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if method.startswith("cce_op"):
+        start, _ = shard_of(vocab, rank, world)
+        weight = shard_weight.to(dtype).requires_grad_()
+        shard = dict(vocab_start=start, vocab_size=vocab, group=mesh.get_group())
+        mode = method.removeprefix("cce_op_")
+
+        def run(hidden, targets):
+            loss = vocab_parallel_cross_entropy(hidden, weight, targets, **shard, mode=mode)
+            loss.backward()
+            return loss
+
+        return run, weight, contextlib.nullcontext
+    step, head = head_step(mesh, vocab, dim, method, dtype)
+    with torch.no_grad():
+        head.weight.to_local().copy_(shard_weight)
+
+    def run(hidden, targets):
+        loss = step(hidden, targets)
+        loss.backward()
+        return loss
+
+    return run, head.weight, loss_parallel
+
+
+def bench_shape(name, mesh, reps, warmup, methods, scenarios) -> list[dict]:
+    """Every method on shape ``name`` in every scenario: each method compiles once per
+    precision (bf16, AMP) and runs each share of ignored targets on the same graph. Rows carry
+    the loss and hidden's gradient against ``loss_parallel``'s on the same inputs and weights,
+    and whether the pass rewrote the head (``rewritten``)."""
+    from oracle import rel_error
+    from torch._dynamo.utils import counters
+    from torch.distributed.tensor import DTensor
+
+    from cce_compile.distributed import collectives
+
+    shape = n, dim, vocab = {**SHAPES, **SMOKE_SHAPES}[name]
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    hidden = torch.randn(1, n, dim, device=DEVICE, dtype=torch.bfloat16, generator=gen)
-    hidden.requires_grad_()
-    targets = torch.randint(0, vocab, (1, n), device=DEVICE, generator=gen)
-    targets[torch.rand(1, n, device=DEVICE, generator=gen) < 0.1] = -100
-    rows = []
-    for method in methods:
-        torch._dynamo.reset()
-        if method.startswith("cce_op"):
-            start, size = shard_of(vocab, rank, world)
-            weight = torch.randn(size, dim, device=DEVICE, dtype=torch.bfloat16) / dim**0.5
-            weight.requires_grad_()
-            shard = dict(vocab_start=start, vocab_size=vocab, group=mesh.get_group())
-            mode = method.removeprefix("cce_op_")
-
-            def run(weight=weight, shard=shard, mode=mode):
-                loss = vocab_parallel_cross_entropy(hidden, weight, targets, **shard, mode=mode)
-                loss.backward()
-
-            grads = [hidden, weight]
-            context = contextlib.nullcontext
-        else:
-            step, head = head_step(mesh, vocab, dim, method)
-            with torch.no_grad():
-                head.weight.normal_(0, dim**-0.5)
-
-            def run(step=step):
-                loss = step(hidden, targets)
-                loss.backward()
-
-            grads = [hidden, head.weight]
-            context = loss_parallel
-        with context(), _mode_of(method):
-            began = time.perf_counter()
-            run()  # compiles
-            compile_s = time.perf_counter() - began
-            for t in grads:
-                t.grad = None
-            if DEVICE == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            base, _ = _memory()
-            collectives.ISSUED.clear()
-            run()
-            issued = dict(collectives.ISSUED)
-            peak = _memory()[1] - base
-            grad_bytes = sum(
-                (t.grad._local_tensor if isinstance(t.grad, DTensor) else t.grad).nbytes
-                for t in grads
-            )
-            ms = cuda_time_ms(run, reps, warmup)
-        row = dict(
-            shape=name,
-            n=n,
-            dim=dim,
-            vocab=vocab,
-            method=method,
-            ms=ms,
-            extra_gib=max(peak - grad_bytes, 0) / GiB,
-            compile_s=compile_s,
-            op_collectives=issued,
-        )
-        rows.append(row)
-        log(f"  {name} {method:14s} {ms:8.2f} ms  extra {row['extra_gib']:.3f} GiB  {issued}")
-        del run
+    base_hidden = torch.randn(1, n, dim, device=DEVICE, generator=gen)
+    labels = torch.randint(0, vocab, (1, n), device=DEVICE, generator=gen)
+    draw = torch.rand(1, n, device=DEVICE, generator=gen)
+    _, size = shard_of(vocab, rank, world)
+    own = torch.Generator(device=DEVICE).manual_seed(1 + rank)
+    shard_weight = torch.randn(size, dim, device=DEVICE, generator=own) * dim**-0.5
+    by_precision: dict[bool, list[str]] = {}
+    for scenario in scenarios:
+        by_precision.setdefault(parse_scenario(scenario)[0], []).append(scenario)
+    rows, reference = [], {}
+    for amp, names in by_precision.items():
+        dtype = torch.float32 if amp else torch.bfloat16
+        hidden = base_hidden.to(dtype).requires_grad_()
+        for method in methods:
+            torch._dynamo.reset()
+            counters.clear()
+            run, weight, context = _method_step(method, mesh, shape, shard_weight, dtype)
+            compile_s = None
+            for scenario in names:
+                targets = torch.where(draw < parse_scenario(scenario)[1], -100, labels)
+                autocast = torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=amp)
+                with context(), _mode_of(method), autocast:
+                    began = time.perf_counter()
+                    run(hidden, targets)  # compiles, the first time
+                    compile_s = compile_s or time.perf_counter() - began
+                    hidden.grad = weight.grad = None
+                    if DEVICE == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
+                    base, _ = _memory()
+                    collectives.ISSUED.clear()
+                    loss = _plain(run(hidden, targets)).detach().float()
+                    issued = dict(collectives.ISSUED)
+                    peak = _memory()[1] - base
+                    grad = weight.grad
+                    grad_bytes = (
+                        hidden.grad.nbytes
+                        + (grad._local_tensor if isinstance(grad, DTensor) else grad).nbytes
+                    )
+                    grad_hidden = hidden.grad.detach().clone()
+                    ms = cuda_time_ms(functools.partial(run, hidden, targets), reps, warmup)
+                key = (name, scenario)
+                if method == "loss_parallel":
+                    reference[key] = (loss, grad_hidden)
+                ref_loss, ref_grad = reference.get(key, (None, None))
+                row = dict(
+                    shape=name,
+                    scenario=scenario,
+                    n=n,
+                    dim=dim,
+                    vocab=vocab,
+                    method=method,
+                    ms=ms,
+                    extra_gib=max(peak - grad_bytes, 0) / GiB,
+                    compile_s=compile_s,
+                    op_collectives=issued,
+                    rewritten=counters["cce_compile"]["rewritten"],
+                    loss=loss.item(),
+                    loss_vs_loss_parallel=None if ref_loss is None else rel_error(loss, ref_loss),
+                    grad_hidden_vs_loss_parallel=(
+                        None if ref_grad is None else rel_error(grad_hidden, ref_grad)
+                    ),
+                )
+                rows.append(row)
+                log(
+                    f"  {name} {scenario} {method:14s} {ms:8.2f} ms  extra "
+                    f"{row['extra_gib']:.3f} GiB  rewritten {row['rewritten']}  {issued}"
+                )
+                hidden.grad = weight.grad = None
+            del run, weight
     return rows
 
 
@@ -332,34 +400,52 @@ def markdown(env: dict, correctness: list[dict], timings: list[dict]) -> str:
     lines = [
         f"# Vocabulary-parallel loss, {env['gpus']} x {env['gpu']} "
         f"(torch {env['torch']}, triton {env['triton']}, {env['backend']})",
-        "",
-        "## Correctness (Triton path, float64 oracle)",
-        "",
-        "| case | ok | errors (relative / tolerance) |",
-        "|---|---|---|",
     ]
+    if correctness:  # (not with --skip-correctness)
+        lines += [
+            "",
+            "## Correctness (Triton path, float64 oracle)",
+            "",
+            "| case | ok | errors (relative / tolerance) |",
+            "|---|---|---|",
+        ]
     for row in correctness:
         errs = ", ".join(f"{k} {e:.1e}/{t:.0e}" for k, (e, t) in row["errors"].items())
         lines.append(f"| {row['case']} | {'yes' if row['ok'] else '**NO**'} | {errs} |")
     lines += [
         "",
-        "## Forward+backward per rank, bf16 (relative to compiled loss_parallel)",
+        "## Forward+backward per rank (relative to compiled loss_parallel, same scenario)",
         "",
-        "| shape (N x D x V) | method | time ms | time vs loss_parallel | extra GiB | "
-        "extra vs loss_parallel | the op's collectives |",
-        "|---|---|---|---|---|---|---|",
+        "Scenarios: `bf16` hidden and head weight, or `amp` (float32 ones under bf16 autocast); "
+        "`ignN`: N% of the targets ignored. `rewritten`: heads the pass fused (0 for "
+        "loss_parallel and the direct op); `loss`/`grad` vs loss_parallel: relative "
+        "differences on the same inputs and weights.",
+        "",
+        "| shape (N x D x V) | scenario | method | time ms | time vs loss_parallel | extra GiB | "
+        "extra vs loss_parallel | the op's collectives | rewritten | loss / grad vs "
+        "loss_parallel |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base = {r["shape"]: r for r in timings if r["method"] == "loss_parallel"}
+    base = {(r["shape"], r["scenario"]): r for r in timings if r["method"] == "loss_parallel"}
     for row in timings:
-        ref = base.get(row["shape"])
-        t_ratio = f"{row['ms'] / ref['ms']:.2f}x" if ref and ref["ms"] else "-"
+        ref = base.get((row["shape"], row["scenario"]))
+        t_ratio = f"{row['ms'] / ref['ms']:.3f}x" if ref and ref["ms"] else "-"
         m_ratio = f"{row['extra_gib'] / ref['extra_gib']:.3f}x" if ref and ref["extra_gib"] else "-"
         issued = ", ".join(f"{k} {v}" for k, v in sorted(row["op_collectives"].items())) or "-"
+        diffs = "-"
+        if row["method"] != "loss_parallel" and row["loss_vs_loss_parallel"] is not None:
+            loss_diff, grad_diff = row["loss_vs_loss_parallel"], row["grad_hidden_vs_loss_parallel"]
+            diffs = f"{loss_diff:.1e} / {grad_diff:.1e}"
         lines.append(
-            f"| {row['shape']} {row['n']} x {row['dim']} x {row['vocab']} | {row['method']} | "
-            f"{row['ms']:.2f} | {t_ratio} | {row['extra_gib']:.3f} | {m_ratio} | {issued} |"
+            f"| {row['shape']} {row['n']} x {row['dim']} x {row['vocab']} | {row['scenario']} | "
+            f"{row['method']} | {row['ms']:.2f} | {t_ratio} | {row['extra_gib']:.3f} | "
+            f"{m_ratio} | {issued} | {row['rewritten']} | {diffs} |"
         )
-    lines += ["", "Targets (issue 14): extra memory <= 1/8 of loss_parallel's at <= 1.0x its time."]
+    lines += [
+        "",
+        "Targets (issue 40): at or below 1.0x loss_parallel's time at 8k and 16k tokens, in bf16 "
+        "and AMP, at or below 1/8 of its extra memory.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -369,6 +455,11 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", default="llama3-8b,llama3-8b-16k")
     parser.add_argument(
         "--methods", default="loss_parallel,cce_pass_lean,cce_pass_fast,cce_op_lean,cce_op_fast"
+    )
+    parser.add_argument(
+        "--scenarios",
+        default="bf16-ign10,bf16-ign50,amp-ign10,amp-ign50",
+        help="precision (bf16, amp) and share of ignored targets, e.g. amp-ign50",
     )
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
@@ -396,7 +487,9 @@ def main(argv=None) -> None:
         correctness = check_correctness(mesh) + check_pass(mesh)
     timings = []
     for shape in args.shapes.split(","):
-        timings += bench_shape(shape, mesh, args.reps, args.warmup, args.methods.split(","))
+        timings += bench_shape(
+            shape, mesh, args.reps, args.warmup, args.methods.split(","), args.scenarios.split(",")
+        )
     if dist.get_rank() == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         result = dict(environment=env, correctness=correctness, timings=timings)
