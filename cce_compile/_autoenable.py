@@ -16,6 +16,10 @@ compile is about to) and hands over to torch's own ``torch.compile``, which it p
 ``torch_compile=True`` (through accelerate) all call ``torch.compile`` and get the pass; code
 that calls Dynamo itself (``torch._dynamo.optimize``) calls ``cce_compile.enable()`` first.
 
+With CCE_TRL (on by default) the hook also puts the op under TRL's fused LM head when
+``trl.trainer.utils`` is imported (``integrations.trl.install_on_import``), so a TRL script
+needs no edit either.
+
 A bad setting, or a pass that cannot be installed, stops the program at that first
 ``torch.compile`` with one line on stderr (a ``SystemExit``, which no ``except Exception``
 fallback to eager can swallow): a run asked to fuse never runs unfused. ``import torch`` itself
@@ -105,6 +109,16 @@ def install() -> None:
         _wrap_compile(sys.modules["torch"])
     elif not any(isinstance(f, _AfterTorchImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterTorchImport())
+    # TRL 1.16's trainers build no logits: their fused head gets the op when TRL's trainer
+    # utilities load (docs/trl.md). A bad setting stops there, as at the first compile.
+    try:
+        serve_trl = config.get().trl
+    except config.SettingsError:
+        serve_trl = True
+    if serve_trl:
+        from .integrations.trl import install_on_import
+
+        install_on_import()
 
 
 install()

@@ -93,9 +93,12 @@ class Settings:
     """CCE_CHECK_TARGETS: on GPU, raise on targets outside [0, V) (costs a host sync)."""
     disable: bool = _rewrite("CCE_DISABLE", False)
     """CCE_DISABLE: the graph pass rewrites nothing (sites are still reported)."""
+    trl: bool = _setting("CCE_TRL", True)
+    """CCE_TRL: under CCE_COMPILE=1, put the op under TRL 1.16's fused LM head when TRL's
+    trainer utilities are imported, for every trainer (docs/trl.md); 0 keeps TRL's kernel."""
 
     def __post_init__(self) -> None:
-        for name in ("auto_enable", "skip_ignored", "check_targets", "disable"):
+        for name in ("auto_enable", "skip_ignored", "check_targets", "disable", "trl"):
             if not isinstance(getattr(self, name), bool):
                 raise SettingsError(
                     f"{_env(name)}={getattr(self, name)!r} is not a bool (setting {name!r}: "

@@ -177,22 +177,22 @@ def test_uninstall_refuses_to_remove_a_later_replacement(monkeypatch):
 # ------------------------------------------------------------------ install on import
 
 
-def test_install_on_import_installs_when_trls_trainer_utilities_load():
-    """The start-up hook's entry point, in a fresh process: importing the integration imports
-    neither torch nor TRL; ``import trl`` alone loads no trainer; the first import of TRL's
-    trainer utilities installs the op under them."""
+def test_the_start_up_hook_installs_when_trls_trainer_utilities_load():
+    """CCE_COMPILE=1 in a fresh process (the start-up hook calls ``install_on_import``): the
+    hook imports neither torch nor TRL; ``import trl`` alone loads no trainer; the first import
+    of TRL's trainer utilities installs the op under them, with no edit to the script."""
     code = (
         "import sys\n"
-        "import cce_compile.integrations.trl as t\n"
+        "assert 'cce_compile.integrations.trl' in sys.modules, 'the hook did not run'\n"
         "assert 'torch' not in sys.modules and 'trl' not in sys.modules, 'imported too soon'\n"
-        "t.install_on_import()\n"
         "import trl\n"
         "assert 'trl.trainer.utils' not in sys.modules, 'import trl loaded the trainers'\n"
         "import trl.trainer.utils as u\n"
+        "import cce_compile.integrations.trl as t\n"
         "assert t.installed() and u._ChunkedLogProbFunction is t.CCEChunkedLogProb\n"
     )
-    # (without CCE_* variables: the start-up hook would install its own finder first)
     environ = {key: value for key, value in os.environ.items() if not key.startswith("CCE_")}
+    environ["CCE_COMPILE"] = "1"
     subprocess.run([sys.executable, "-c", code], check=True, env=environ)
 
 
