@@ -162,6 +162,16 @@ def loss_value(emit: Emitter, site: Site, op: Node) -> Node:
     return cast(emit, loss, p.tensor_value(site.loss).dtype)
 
 
+def loss_target_path(site: Site) -> list[Node]:
+    """The views between the loss's target and what the op reads (``site.targets``), the
+    loss's end first: erased once the loss is (``labels.view(-1)`` would stay, dead)."""
+    path, node = [], site.loss_targets
+    while isinstance(node, Node) and node is not site.targets:
+        path.append(node)
+        node = node.args[0]
+    return path
+
+
 def erase_unused(graph: Graph, nodes: list[Any]) -> None:
     """Erase, in order (users before producers), each of ``nodes`` that nothing but dead code
     uses any more, that dead code first."""

@@ -28,6 +28,7 @@ from .emit import (
     cast,
     erase_unused,
     loss_arguments,
+    loss_target_path,
     loss_value,
     rows_of_hidden,
     shape_of,
@@ -350,6 +351,7 @@ def _rewrite(graph: Graph, site: PlainSite) -> Node:
         [
             *site.lse_users,
             site.loss,
+            *loss_target_path(site),
             *reversed(site.lse_side_nodes),
             *reversed(site.loss_views),
             site.log_softmax,

@@ -167,8 +167,8 @@ class Report:
     def __str__(self) -> str:
         header = (
             f"cce_compile: {len(self.sites)} cross-entropy site(s) in {self.graphs} graph(s), "
-            f"{len(self.rewritten)} rewritten, ~{self.saved_bytes / 2**20:,.1f} MiB of logits "
-            "memory saved"
+            f"{len(self.rewritten)} rewritten, ~{self.saved_bytes / 2**20:,.1f} MiB saved (the "
+            "logits in their dtype and their float32 log-softmax, as eager keeps both)"
         )
         lines = [header, *map(str, self.sites), *map(str, self.breaks)]
         if self.skipped_frames:

@@ -53,6 +53,7 @@ from .emit import (
     canonical_hidden,
     erase_unused,
     loss_arguments,
+    loss_target_path,
     loss_value,
     rows_of_hidden,
     targets_as_rows,
@@ -325,7 +326,16 @@ def _rewrite(graph: Graph, site: TensorParallelSite) -> Node:
         mesh = emit(getattr, site.classifier, "device_mesh")
         new_loss = emit(DTensor.from_local, new_loss, mesh, (Replicate(),), run_check=False)
     site.loss.replace_all_uses_with(new_loss)
-    erase_unused(graph, [site.loss, *reversed(site.loss_views), *reversed(site.chain), site.head])
+    erase_unused(
+        graph,
+        [
+            site.loss,
+            *loss_target_path(site),
+            *reversed(site.loss_views),
+            *reversed(site.chain),
+            site.head,
+        ],
+    )
     return op
 
 
