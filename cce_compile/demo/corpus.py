@@ -65,8 +65,12 @@ class Tokenizer:
         return cls([w for w, _ in ranked[: vocab - BYTE_TOKENS]])
 
     def encode(self, text: str) -> list[int]:
+        return self.encode_words(split_words(text))
+
+    def encode_words(self, words: list[str]) -> list[int]:
+        """The ids of text already split by :func:`split_words`."""
         ids: list[int] = []
-        for word in split_words(text):
+        for word in words:
             known = self.index.get(word)
             if known is None:
                 ids.extend(word.encode("utf-8"))
@@ -106,8 +110,8 @@ def load(
     if path.exists():
         saved = torch.load(path, weights_only=True)
         return Tokenizer(saved["words"]), saved["ids"]
-    text = read_corpus(max_bytes)
-    tokenizer = Tokenizer.train(split_words(text), vocab)
-    ids = torch.tensor(tokenizer.encode(text), dtype=torch.int32)
+    words = split_words(read_corpus(max_bytes))  # split once: counted, then encoded
+    tokenizer = Tokenizer.train(words, vocab)
+    ids = torch.tensor(tokenizer.encode_words(words), dtype=torch.int32)
     torch.save({"words": tokenizer.words, "ids": ids}, path)
     return tokenizer, ids

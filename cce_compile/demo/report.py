@@ -12,7 +12,8 @@ from .train import WARM_STEPS, Comparison, RunResult, StepZero
 # it stays true as that path changes; the table and the speed line have this run's numbers.
 CPU_NOTE = (
     "On the CPU the op runs its chunked PyTorch path; the speed above is this machine's, under "
-    'its load at the time. The GPU (Triton) numbers are in README.md, "Results".'
+    'its load at the time. The GPU (Triton) numbers are in README.md, "Performance and memory '
+    'policy".'
 )
 
 # Per-step losses within this many float32 spacings (of the first loss) agree to rounding.

@@ -57,3 +57,10 @@ def test_cache_round_trip(tmp_path):
     again, ids_again = corpus.load(700, tmp_path, max_bytes=50_000)
     assert again.words == tokenizer.words and torch.equal(ids, ids_again)
     assert ids.dtype == torch.int32 and int(ids.max()) < tokenizer.vocab_size
+
+
+def test_load_encodes_the_text_it_read(tmp_path):
+    """load() splits the text once for both the counting and the encoding: the ids are those
+    of encoding the text."""
+    tokenizer, ids = corpus.load(700, tmp_path, max_bytes=50_000)
+    assert ids.tolist() == tokenizer.encode(corpus.read_corpus(max_bytes=50_000))

@@ -40,3 +40,17 @@ def test_memory_profile_drops_kineto_lines_and_keeps_the_rest(capfd):
     err = capfd.readouterr().err
     assert "USDT" not in err and "profiler_start" not in err, err
     assert "the step's own warning" in err
+
+
+def test_the_cpu_note_points_to_a_readme_section():
+    """The note under the CPU table names a README section for the GPU figures: one that is
+    there."""
+    import pathlib
+    import re
+
+    from cce_compile.demo.report import CPU_NOTE
+
+    (section,) = re.findall(r'README\.md, "([^"]+)"', CPU_NOTE)
+    readme = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+    headings = re.findall(r"^#+ (.+)$", readme.read_text(), flags=re.MULTILINE)
+    assert section in headings, (section, headings)
