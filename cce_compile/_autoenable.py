@@ -57,14 +57,19 @@ def _wrap_compile(torch) -> None:
     original = torch.compile
     if getattr(original, "_cce_enables_the_pass", False):
         return
-    enabled = False
+    state = "off"  # "enabling" while enable() runs: a torch.compile inside it goes through
 
     @functools.wraps(original)
     def compile(*args, **kwargs):
-        nonlocal enabled
-        if not enabled:
-            _enable_or_exit()  # raises again at the next call if it failed
-            enabled = True
+        nonlocal state
+        if state == "off":
+            state = "enabling"
+            try:
+                _enable_or_exit()
+            except BaseException:
+                state = "off"  # the next torch.compile stops too
+                raise
+            state = "on"
             if torch.compile is compile:
                 torch.compile = original
         return original(*args, **kwargs)

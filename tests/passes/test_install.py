@@ -381,3 +381,23 @@ def test_import_torch_under_cce_compile_imports_neither_dynamo_nor_inductor():
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == [[], True], result.stderr
+
+
+def test_a_torch_compile_inside_the_hooks_enable_goes_through(monkeypatch):
+    """Something enable() runs may call torch.compile itself: that call is handed to torch's
+    own, not back into enable()."""
+    from cce_compile import _autoenable
+    from cce_compile.passes import install
+
+    calls = []
+
+    def enable_that_compiles():
+        calls.append("enable")
+        torch.compile(lambda x: x)
+
+    monkeypatch.setattr(install, "enable", enable_that_compiles)
+    own = torch.compile
+    monkeypatch.setattr(torch, "compile", own)
+    _autoenable._wrap_compile(torch)
+    torch.compile(loss)
+    assert calls == ["enable"] and torch.compile is own
