@@ -34,6 +34,8 @@ class Emitter:
         self.graph = graph
         self.anchor = anchor
         self.fake_mode = _fake_mode(graph, anchor)
+        # (an example value made inside a no_grad region of the graph has no grad either)
+        self.grad_enabled = safety.grad_enabled_at(anchor)
 
     def __call__(self, target: Any, *args: Any, **kwargs: Any) -> Node:
         """A call_function node."""
@@ -43,12 +45,16 @@ class Emitter:
         """A call_method node (``args[0]`` is the tensor)."""
         return self._emit("call_method", name, args, kwargs)
 
+    def like(self, node: Node, args: tuple, kwargs: dict) -> Node:
+        """A node of ``node``'s kind and target, on other arguments."""
+        return self._emit(node.op, node.target, args, kwargs)
+
     def _emit(self, op: str, target: Any, args: tuple, kwargs: dict) -> Node:
         with self.graph.inserting_before(self.anchor):
             node = self.graph.create_node(op, target, args, kwargs)
         p.copy_source_meta(node, self.anchor)
         values, named = p.example_args(args), p.example_args(kwargs)
-        with self.fake_mode:
+        with self.fake_mode, torch.set_grad_enabled(self.grad_enabled):
             if op == "call_method":
                 value = getattr(values[0], target)(*values[1:], **named)
             else:

@@ -24,6 +24,8 @@ from torch.fx import Node
 
 from . import predicates as p
 from . import safety
+from .canonical import entropy_input
+from .journal import user_name
 
 
 def outside_users(nodes: list[Node], inside: list[Node]) -> list[Node]:
@@ -43,30 +45,42 @@ class LogitsUsers:
     lse_users: list[Node]  # logsumexp nodes the op's lse can serve
     side_nodes: list[Node]  # casts between the logits and a served logsumexp, erased with it
     escaping: list[Node]  # head / chain nodes that something else uses
+    entropy_users: list[Node] = dataclasses.field(default_factory=list)  # softmax_entropy
+    entropy_side_nodes: list[Node] = dataclasses.field(default_factory=list)  # casts, views
 
 
 def classify_users(
     head: Node, chain: list[Node], inside: list[Node], z_level: set[Node]
 ) -> LogitsUsers:
     """Sort the live users of ``head`` and ``chain`` that are not in ``inside`` (the chain, the
-    loss and the nodes between them): a logsumexp over z (``z_level``), or escaping."""
+    loss and the nodes between them): a logsumexp or an entropy (``cce::softmax_entropy``,
+    through row views too) over z (``z_level``), or escaping."""
     found = LogitsUsers([], [], [])
     for node in [head, *chain]:
         for user in outside_users([node], inside):
             path, end = _through_casts(user)
             source = path[-1] if path else node
+            views, entropy = _through_casts(user, row_views=True)
             if node in z_level and p.logsumexp_input(end) is source:
                 found.lse_users.append(end)
                 found.side_nodes.extend(path)
+            elif node in z_level and entropy_input(entropy) is (views[-1] if views else node):
+                found.entropy_users.append(entropy)
+                found.entropy_side_nodes.extend(views)
             elif node not in found.escaping:
                 found.escaping.append(node)
     return found
 
 
-def _through_casts(user: Node) -> tuple[list[Node], Node]:
-    """Follow single-user float32 casts and contiguous() from ``user``: (those nodes, end)."""
+def _through_casts(user: Node, row_views: bool = False) -> tuple[list[Node], Node]:
+    """Follow single-user float32 casts and contiguous() (and row views) from ``user``:
+    (those nodes, end)."""
     path: list[Node] = []
-    while p.cast_dtype(user) == torch.float32 or p.is_passthrough(user):
+    while (
+        p.cast_dtype(user) == torch.float32
+        or p.is_passthrough(user)
+        or (row_views and p.is_row_view(user))
+    ):
         users = safety.live_users(user)
         if len(users) != 1:
             break
@@ -84,16 +98,17 @@ def rows_at_hidden(head: Node, chain: list[Node]) -> tuple:
     return tuple(shape)
 
 
-def lse_shape(user: Node, targets: Node, rows: tuple) -> Any:
-    """How the op's lse (one per row) reshapes to ``user``'s shape, if it can: "targets" (the
-    loss target's shape), "rows" (``rows``, the leading shape at hidden), "flat", or the
-    user's sizes as ints and the graph's SymInt nodes; None if a size has no node."""
+def lse_shape(user: Node, targets: Node | None, rows: tuple) -> Any:
+    """How the op's lse (or another per-row output) reshapes to ``user``'s shape, if it can:
+    "targets" (the loss target's shape; ``targets`` None: not one to read), "rows" (``rows``,
+    the leading shape at hidden), "flat", or the user's sizes as ints and the graph's SymInt
+    nodes; None if a size has no node."""
     shape = tuple(p.tensor_value(user).shape)
 
     def same(a, b):
         return len(a) == len(b) and all(p.same_size(x, y) for x, y in zip(a, b))
 
-    if same(shape, tuple(p.tensor_value(targets).shape)):
+    if targets is not None and same(shape, tuple(p.tensor_value(targets).shape)):
         return "targets"
     if same(shape, rows):
         return "rows"
@@ -170,7 +185,7 @@ def escape_detail(
     escaping: list[Node], inside: list[Node], policy: str, training: bool, returned: bool
 ) -> str:
     """Who else uses the logits, and the setting that would fuse the loss anyway."""
-    users = sorted(u.name for u in outside_users(escaping, inside))
+    users = sorted(user_name(u) for u in outside_users(escaping, inside))
     what = "returned by the graph" if returned else f"also used by {', '.join(users)}"
     if not training:
         return (

@@ -26,11 +26,10 @@ from torch.fx import Graph, GraphModule
 
 from .. import config
 from ..op.custom_ops import IMPLEMENTATION_VERSION
-from . import logs, report, tracing
-from .matching import find_sites
+from . import logs, report, rules, tracing
+from .matching import settled_sites
 from .plain import OP
 from .report_types import SiteReport, describe
-from .verdicts import Site
 
 log = logging.getLogger("cce_compile")
 logs.register()
@@ -121,18 +120,22 @@ def _account(reports: list[SiteReport]) -> None:
 
 
 def run_pass(graph: Graph) -> list[SiteReport]:
-    """Rewrite every matched site of ``graph``; returns one report per candidate."""
+    """Rewrite every matched site of ``graph``; returns one report per candidate.
+
+    The RL rules run first (``rules.py``); what they rewrote that no rewritten site uses is
+    put back as it was (``journal.py``) before the sites are rewritten."""
     settings = config.get()
     tracing.ignore_library_logging()  # for the next compiles, if transformers came late
+    journal = rules.canonicalize(graph)
     reports = []
-    for found in find_sites(graph):
-        rewrite = isinstance(found, Site) and not settings.disable
+    for found, rewrite in settled_sites(graph, journal, rewrite=not settings.disable):
         described = describe(found, rewritten=rewrite)
         if rewrite:
             _tell_symbolic_once(described, found.symbolic_constants())
             found.rewrite(graph)
         _tell(described)
         reports.append(described)
+    journal.finish()
     if reports:
         logs.site_artifact(reports)
     if any(r.rewritten for r in reports):

@@ -12,6 +12,7 @@ from torch.fx import Graph, Node
 
 from . import plain, safety, tensor_parallel
 from . import predicates as p
+from .journal import Journal
 from .verdicts import Rejection, Site
 
 
@@ -31,3 +32,24 @@ def match_site(loss: Node, order: dict[Node, int] | None = None) -> Site | Rejec
     order = order or safety.node_order(loss.graph)
     kind = tensor_parallel if tensor_parallel.on_dtensors(loss) else plain
     return kind.match(loss, order)
+
+
+def settled_sites(
+    graph: Graph, journal: Journal, rewrite: bool
+) -> list[tuple[Site | Rejection, bool]]:
+    """Every candidate of ``graph`` after the rules (``journal``), with whether it is to be
+    rewritten (a ``Site``, and ``rewrite``), once the graph is settled: the rules' rewrites
+    that no such site uses are rolled back and the graph matched again, until nothing more is
+    rolled back (a write put back in place can spoil another match). A rejection keeps the
+    reason it first had, in terms of the forms the rules made (why an entropy could not be
+    served); a candidate the rules made and took back, the rejection it last had."""
+    seen: dict[Node, tuple[Site | Rejection, bool]] = {}
+    while True:
+        current = [(found, isinstance(found, Site) and rewrite) for found in find_sites(graph)]
+        for found, to_rewrite in current:
+            if isinstance(found, Site) or not isinstance(
+                seen.get(found.loss, [None])[0], Rejection
+            ):
+                seen[found.loss] = (found, to_rewrite)
+        if not journal.settle([found.nodes() for found, to_rewrite in current if to_rewrite]):
+            return list(seen.values())

@@ -18,8 +18,8 @@ from torch.fx import Graph, Node
 
 from .. import config, decide, policy
 from ..op.custom_ops import IMPLEMENTATION_VERSION
-from ..op.signature import FORWARD, GRAD_FLAGS
-from . import escapes, placeholder, safety
+from ..op.signature import FORWARD, FORWARD_RETURNS, GRAD_FLAGS
+from . import canonical, escapes, placeholder, safety
 from . import predicates as p
 from . import walk as w
 from .emit import (
@@ -34,6 +34,7 @@ from .emit import (
     shape_of,
     targets_as_rows,
 )
+from .journal import user_name
 from .report_types import location
 from .verdicts import DTENSOR, ESCAPES, NO_HEAD, UNSUPPORTED_OPTION, Rejection, Site
 
@@ -52,6 +53,11 @@ class PlainSite(Site):
     lse_users: list[Node]  # logsumexp nodes the op's lse can serve (z-loss)
     lse_shapes: list[Any]  # per lse user: "targets", "rows" (at hidden), "flat", or sizes
     lse_side_nodes: list[Node]  # casts between the chain and a served logsumexp
+    entropy_users: list[Node]  # cce::softmax_entropy nodes the op's entropy serves
+    entropy_shapes: list[Any]  # per entropy user, as lse_shapes
+    entropy_side_nodes: list[Node]  # casts and row views between the chain and an entropy
+    entropy_detached: list[bool]  # per entropy user: read without a gradient (no_grad)
+    dummy_targets: bool  # an entropy's site (canonical.ENTROPY): its loss is unused
     anchor: Node  # the op goes right before it: the loss, or an lse user's earlier consumer
     detach_operands: bool  # the logits carry no gradient (no_grad / detach on the way)
     kept_logits: list[Node]  # escaping, kept alive (CCE_ESCAPING_LOGITS=rewrite)
@@ -63,6 +69,10 @@ class PlainSite(Site):
 
     def rewrite(self, graph: Graph) -> Node:
         return _rewrite(graph, self)
+
+    def nodes(self) -> list[Node]:
+        served = [*self.lse_users, *self.lse_side_nodes, *self.entropy_users]
+        return [*super().nodes(), *served, *self.entropy_side_nodes, *self.kept_logits]
 
 
 # --- matching --------------------------------------------------------------------------------
@@ -172,6 +182,7 @@ class _Candidate:
     operands: _Operands
     inside: list[Node]  # the chain, the loss and the nodes between: the users the op replaces
     users: escapes.LogitsUsers
+    notes: list[str] = dataclasses.field(default_factory=list)  # why a user is not served
 
     @property
     def targets(self) -> Node:
@@ -196,10 +207,10 @@ def _site(
 ) -> PlainSite | Rejection:
     """The site, once the logits' other users, the op's place and the writes in the region
     allow it."""
-    inside = [*walk.chain, loss, *options.loss_side]
+    inside = [*walk.chain, loss, *options.loss_side, *canonical.dummy_target_nodes(loss)]
     users = escapes.classify_users(walk.head, walk.chain, inside, set(walk.z_level))
     found = _Candidate(loss, options, walk, operands, inside, users)
-    anchor, lse_shapes = _serve_logsumexps(found, order)
+    anchor, lse_shapes, entropy_shapes = _serve_row_outputs(found, order)
     rejected = _write_in_region(found, anchor, order)
     dropped = _escape(found)
     if rejected is not None:
@@ -215,6 +226,13 @@ def _site(
         lse_users=users.lse_users,
         lse_shapes=lse_shapes,
         lse_side_nodes=users.side_nodes,
+        entropy_users=users.entropy_users,
+        entropy_shapes=entropy_shapes,
+        entropy_side_nodes=users.entropy_side_nodes,
+        entropy_detached=[
+            safety.requires_grad(loss) > safety.requires_grad(user) for user in users.entropy_users
+        ],
+        dummy_targets=canonical.form(loss) == canonical.ENTROPY,
         anchor=anchor,
         detach_operands=not safety.requires_grad(options.log_softmax or options.logits),
         kept_logits=[] if dropped else users.escaping,
@@ -222,33 +240,65 @@ def _site(
     )
 
 
-def _serve_logsumexps(found: _Candidate, order: dict[Node, int]) -> tuple[Node, list[Any]]:
-    """(anchor, shapes): the logsumexp users the op's lse can serve stay in
-    ``users.lse_users`` with their shapes, the others move to ``users.escaping``; the op goes
+def _serve_row_outputs(found: _Candidate, order: dict[Node, int]) -> tuple[Node, list, list]:
+    """(anchor, lse shapes, entropy shapes): the logsumexp and entropy users the op can serve
+    stay in ``users`` with their shapes, the others move to ``users.escaping``; the op goes
     right before the first consumer of a served one (or the loss)."""
-    loss, target, users = found.loss, found.options.target, found.users
+    users = found.users
+    anchor, lse_shapes = _serve(found, users.lse_users, order, found.loss, entropy=False)
+    anchor, entropy_shapes = _serve(found, users.entropy_users, order, anchor, entropy=True)
+    return anchor, lse_shapes, entropy_shapes
+
+
+def _serve(
+    found: _Candidate, served: list[Node], order: dict[Node, int], anchor: Node, entropy: bool
+) -> tuple[Node, list[Any]]:
+    """The shapes of the ``served`` users that the op can serve (the others move to
+    ``users.escaping``), and the anchor moved before the first consumer of any of them."""
+    loss, users = found.loss, found.users
+    dummy = canonical.form(loss) == canonical.ENTROPY
+    target = None if dummy else found.options.target  # (dummy targets are not kept)
     ready = safety.ready_after(found.op_inputs, order)
     rows = escapes.rows_at_hidden(found.walk.head, found.walk.chain)
-    anchor, shapes = loss, []
-    for user in list(users.lse_users):
+    shapes = []
+    for user in list(served):
         shape = escapes.lse_shape(user, target, rows)
-        # The op serves a logsumexp only with its rows, before the logsumexp's first consumer,
-        # at a point where its inputs exist and the loss's grad mode holds.
+        # The op serves a row output only with its rows, before the output's first consumer,
+        # at a point where its inputs exist and the loss's grad mode holds (an entropy read
+        # without a gradient is served detached).
         first = min([loss, *safety.live_users(user)], key=order.__getitem__)
         sizes_from = [shape, target if shape == "targets" else None]
+        grad = safety.requires_grad(user), safety.requires_grad(loss)
         servable = (
             shape is not None
             and order[first] > max(ready, safety.ready_after(sizes_from, order))
-            and safety.requires_grad(user) == safety.requires_grad(loss)
+            and (grad[0] == grad[1] or (entropy and grad[1]))
             and not safety.grad_mode_changes(first, loss, order)
         )
+        if servable and entropy and canonical.form(loss) is None:
+            servable = False  # the op's entropy is 0 at ignored rows, which eager's is not
+            found.notes.append(
+                f"{user_name(user)} is their entropy, which the op returns as 0 at rows whose "
+                f"target is ignore_index ({found.options.ignore_index}) where eager's is not "
+                "(written as log_softmax(z).gather(-1, ids[..., None]), whose ids are never "
+                "ignored, the log-probs and the entropy fuse into one call)"
+            )
         if servable:
             shapes.append(shape)
             anchor = min(anchor, first, key=order.__getitem__)
         else:
-            users.lse_users.remove(user)
-            users.escaping.append(user)
+            served.remove(user)
+            users.escaping.append(_logits_read(user, found) if entropy else user)
     return anchor, shapes
+
+
+def _logits_read(user: Node, found: _Candidate) -> Node:
+    """The head or chain node an entropy user reads (through its casts and row views)."""
+    logits = [found.walk.head, *found.walk.chain]
+    node = user.args[0]
+    while node not in logits:
+        node = node.args[0]
+    return node
 
 
 def _write_in_region(found: _Candidate, anchor: Node, order: dict[Node, int]) -> Rejection | None:
@@ -282,6 +332,7 @@ def _escape(found: _Candidate) -> Rejection | list[Node]:
     if policy == "drop" and droppable:
         return forms
     detail = escapes.escape_detail(escaping, found.inside, policy, training, forms is not None)
+    detail = "; ".join([detail, *found.notes])
     return Rejection(found.loss, ESCAPES, detail, quiet=escapes.quiet(policy, training))
 
 
@@ -316,6 +367,8 @@ def choose_site_mode(site: PlainSite, needs: tuple[bool, bool, bool]) -> str:
         grad_filter=site_grad_filter(site),
         lse_has_grad=bool(site.lse_users),
         softcap=bool(site.softcap),
+        entropy=bool(site.entropy_users),
+        entropy_has_grad=not all(site.entropy_detached),
     )
 
 
@@ -339,20 +392,23 @@ def _rewrite(graph: Graph, site: PlainSite) -> Node:
     emit = Emitter(graph, site.anchor)
     rows = rows_of_hidden(emit, _operand(emit, site.hidden, site), site)
     op = emit(OP, *_op_arguments(emit, site, rows))
-    site.loss.replace_all_uses_with(loss_value(Emitter(graph, site.loss), site, op))
-    if site.lse_users:
-        lse = emit(operator.getitem, op, 1)
-        for user, shape in zip(site.lse_users, site.lse_shapes):
-            served = emit(aten.reshape.default, lse, _lse_sizes(emit, user, shape, site, rows))
-            user.replace_all_uses_with(cast(emit, served, p.tensor_value(user).dtype))
+    if safety.live_users(site.loss):  # (an entropy's site has no loss to give)
+        site.loss.replace_all_uses_with(loss_value(Emitter(graph, site.loss), site, op))
+    _serve_users(emit, site, op, rows, "lse", site.lse_users, site.lse_shapes)
+    detached = [u for u, d in zip(site.entropy_users, site.entropy_detached) if d]
+    entropy_users = (site.entropy_users, site.entropy_shapes, detached)
+    _serve_users(emit, site, op, rows, "entropy", *entropy_users)
     _drop_returned_logits(graph, site)
     erase_unused(
         graph,
         [
             *site.lse_users,
+            *site.entropy_users,
             site.loss,
             *loss_target_path(site),
+            *canonical.dummy_target_nodes(site.loss),
             *reversed(site.lse_side_nodes),
+            *reversed(site.entropy_side_nodes),
             *reversed(site.loss_views),
             site.log_softmax,
             *reversed(site.chain),
@@ -362,6 +418,21 @@ def _rewrite(graph: Graph, site: PlainSite) -> Node:
         ],
     )
     return op
+
+
+def _serve_users(
+    emit: Emitter, site: PlainSite, op: Node, rows: Node, output: str, users, shapes, detached=()
+) -> None:
+    """Replace each of ``users`` by the op's per-row ``output``, in its shape and dtype
+    (detached for those in ``detached``: read without a gradient)."""
+    if not users:
+        return
+    value = emit(operator.getitem, op, FORWARD_RETURNS.index(output))
+    for user, shape in zip(users, shapes):
+        served = emit(aten.reshape.default, value, _lse_sizes(emit, user, shape, site, rows))
+        if user in detached:
+            served = emit(aten.detach.default, served)
+        user.replace_all_uses_with(cast(emit, served, p.tensor_value(user).dtype))
 
 
 def _op_arguments(emit: Emitter, site: PlainSite, rows: Node) -> tuple:
@@ -377,7 +448,12 @@ def _op_arguments(emit: Emitter, site: PlainSite, rows: Node) -> tuple:
     if site.classifier_is_transposed:
         classifier = emit(aten.t.default, classifier)
     bias = _operand(emit, site.bias, site)
-    targets = targets_as_rows(emit, site.targets, hidden)
+    if site.dummy_targets:  # zeros, one per row: only the entropy is read
+        shape = shape_of(emit, hidden, leading=2)
+        device = p.tensor_value(hidden).device
+        targets = emit(aten.zeros.default, shape, dtype=torch.int64, device=device)
+    else:
+        targets = targets_as_rows(emit, site.targets, hidden)
     flows = p.tensor_value(site.loss).requires_grad and not site.detach_operands
     needs = tuple(
         bool(flows and n is not None and p.tensor_value(n).requires_grad)
@@ -392,6 +468,7 @@ def _op_arguments(emit: Emitter, site: PlainSite, rows: Node) -> tuple:
         compute_dtype=dtype if rounds else None,
         **loss_arguments(emit, site),
         lse_all_rows=bool(site.lse_users),
+        return_entropy=bool(site.entropy_users),
         mode=choose_site_mode(site, needs),
         grad_hidden=needs[0],
         grad_classifier=needs[1],

@@ -63,6 +63,8 @@ def example_args(value: Any) -> Any:
         return example_value(value)
     if isinstance(value, (list, tuple)):
         return type(value)(example_args(x) for x in value)
+    if isinstance(value, dict):
+        return {key: example_args(x) for key, x in value.items()}
     if isinstance(value, slice):
         return slice(*(example_args(x) for x in (value.start, value.stop, value.step)))
     return value

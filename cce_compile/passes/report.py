@@ -17,10 +17,10 @@ import torch
 from torch._dynamo.utils import counters
 
 from .. import config
-from . import graph_breaks, tracing
-from .matching import find_sites
+from . import graph_breaks, rules, tracing
+from .matching import settled_sites
 from .report_types import Report, SiteReport, describe
-from .verdicts import GRAPH_BREAK, Rejection, Site
+from .verdicts import GRAPH_BREAK, Rejection
 
 _watchers: list[Report] = []
 
@@ -91,12 +91,13 @@ def explain(fn_or_model, *args, **kwargs) -> Report:
         for _, module in gm.named_modules():
             if isinstance(module, torch.fx.GraphModule):
                 report.graphs += 1
-                for found in find_sites(module.graph):
-                    would_rewrite = isinstance(found, Site) and not disabled
+                journal = rules.canonicalize(module.graph)  # the RL forms, as the pass sees them
+                for found, would_rewrite in settled_sites(module.graph, journal, not disabled):
                     described = describe(found, rewritten=would_rewrite)
                     if isinstance(found, Rejection) and found.reason == GRAPH_BREAK:
                         graph_breaks.blame_break(described, report.breaks)
                     report.sites.append(described)
+                journal.settle([])  # the graph runs as it was written
         cut = graph_breaks.graph_break(gm)
         if cut is not None:
             report.breaks.append(cut)

@@ -9,6 +9,7 @@ import dataclasses
 import re
 import sysconfig
 
+from . import canonical
 from . import predicates as p
 from .verdicts import (
     DISABLED,
@@ -17,6 +18,7 @@ from .verdicts import (
     ESCAPES,
     GRAPH_BREAK,
     MUTATION,
+    NO_HEAD,
     UNSUPPORTED_OP,
     Rejection,
     Site,
@@ -69,6 +71,7 @@ class SiteReport:
     logits: str = ""  # rewritten: "gone", "kept" (CCE_ESCAPING_LOGITS=rewrite) or "dropped"
     fix: str = ""  # what to change, when explain() knows better than the reason's usual fix
     quiet: bool = False  # left alone as asked (an evaluation graph's logits): logged at INFO
+    form: str = "cross-entropy"  # or the RL forms the rules made it from: "log-probs" ...
 
     @property
     def advice(self) -> str:
@@ -80,7 +83,8 @@ class SiteReport:
         return usual
 
     def __str__(self) -> str:
-        head = f"{'REWRITTEN' if self.rewritten else 'skipped'}  {self.loss}  at {self.location}"
+        state = "REWRITTEN" if self.rewritten else "skipped"
+        head = f"{state}  {self.loss} ({self.form})  at {self.location}"
         lines = [head]
         if self.rows is not None:
             size = _mib(self.logits_bytes) if self.logits_bytes else "?"
@@ -112,7 +116,7 @@ class SiteReport:
             return self._fused_line()
         fix = f" Fix: {self.advice}." if self.advice and not self.quiet else ""
         return (
-            f"cce_compile: left the cross-entropy at {self.location} alone "
+            f"cce_compile: left the {self.form} at {self.location} alone "
             f"({self.reason}): {self.detail}.{fix}"
         )
 
@@ -123,7 +127,7 @@ class SiteReport:
             "dropped": "; the graph returns a LogitsNotComputed placeholder in place of its "
             "logits (CCE_ESCAPING_LOGITS=drop): reading it raises",
         }.get(self.logits, "")
-        return f"cce_compile: fused the cross-entropy at {self.location}{size}{fate}"
+        return f"cce_compile: fused the {self.form} at {self.location}{size}{fate}"
 
 
 def _mib(count: int | None) -> str:
@@ -212,12 +216,27 @@ def location(node) -> str:
     return (own or forwards or frames)[-1].replace("File ", "")
 
 
+def _form(found: Site | Rejection) -> str:
+    """What the site computes for the user: the cross-entropy they wrote, or the RL forms
+    the rules made it from (``canonical.FORM``), and whether it serves their entropy."""
+    made = canonical.form(found.loss)
+    what = {canonical.LOG_PROBS: "log-probs", canonical.ENTROPY: "entropy"}.get(
+        made, "cross-entropy"
+    )
+    if made != canonical.ENTROPY and getattr(found, "entropy_users", None):
+        what += " and entropy"
+    return what
+
+
 def describe(found: Site | Rejection, rewritten: bool) -> SiteReport:
     """A SiteReport for a site (rewritten, or matched but kept by CCE_DISABLE; a
     TensorParallelSite's vocab is the classes per rank) or a Rejection."""
-    result = SiteReport(found.loss.name, location(found.loss), rewritten)
+    result = SiteReport(found.loss.name, location(found.loss), rewritten, form=_form(found))
     if isinstance(found, Rejection):
         result.reason, result.detail, result.quiet = found.reason, found.detail, found.quiet
+        # RL forms with no head in their graph (verl compiles its entropy alone): the user
+        # wrote no loss there; said at INFO.
+        result.quiet |= result.form != "cross-entropy" and found.reason in (GRAPH_BREAK, NO_HEAD)
     elif not rewritten:
         result.reason, result.detail = DISABLED, DISABLED_DETAIL
     if isinstance(found, Site):

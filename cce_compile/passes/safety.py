@@ -21,6 +21,7 @@ import torch
 from torch.fx import Graph, Node
 
 from . import predicates as p
+from .canonical import KEPT_IN_PLACE
 from .verdicts import MUTATION, Rejection
 
 # Operators that write their first operand (Dynamo keeps `x += 1`, `x[i] = v` as these).
@@ -174,11 +175,13 @@ def write_in_region(
         written = first_write(read, start, stop, order)
         if written is not None:
             writer, target = written
+            kept = writer.meta.get(KEPT_IN_PLACE)
+            why = f" (left in place: {kept})" if kept else ""
             return Rejection(
                 loss,
                 MUTATION,
                 f"{writer.name} ({target_name(writer)}) writes {target.name} in place "
-                "between the head and the loss",
+                f"between the head and the loss{why}",
             )
     return None
 
@@ -190,6 +193,18 @@ def grad_mode_changes(start: Node, stop: Node, order: dict[Node, int]) -> bool:
         node.op == "call_function" and node.target in _GRAD_MODE_SWITCHES
         for node in list(start.graph.nodes)[first:last]
     )
+
+
+def grad_enabled_at(node: Node) -> bool:
+    """Is grad mode on where ``node`` runs: the last ``torch.no_grad()`` / ``enable_grad()``
+    switch recorded before it in its graph, else the mode the graph was traced in."""
+    enabled = torch.is_grad_enabled()
+    for other in node.graph.nodes:
+        if other is node:
+            break
+        if other.op == "call_function" and other.target is torch._C._set_grad_enabled:
+            enabled = bool(other.args[0])
+    return enabled
 
 
 def inference_mode_at(node: Node) -> bool:
@@ -244,6 +259,10 @@ def bad_constant(name: str, value: Any, *, zero_ok: bool = True) -> str | None:
 _VALUES = (torch.Tensor, torch.Size, torch.SymInt, torch.SymFloat, torch.SymBool, int, float)
 
 
+# Calls that cut a tensor into a tuple of views (what a loop over rows or chunks iterates).
+_CUTS = {"split", "chunk", "unbind", "tensor_split"}
+
+
 def is_dead(node: Node) -> bool:
     """Dead code: a node whose value only dead code reads (a chain of unused views), and
     which, like all those, is a pure computation."""
@@ -265,11 +284,22 @@ def _pure_computation(node: Node) -> bool:
     A call that returns None (a grad-mode switch, a print) is not one."""
     if node.op not in ("call_function", "call_method"):
         return False
-    if not isinstance(p.example_value(node), _VALUES):
+    value = p.example_value(node)
+    pieces = target_name(node) in _CUTS and isinstance(value, (tuple, list))
+    if not isinstance(value, _VALUES) and not pieces:
         return False
     if any(part in target_name(node).lower() for part in _RANDOM_NAME_PARTS):
         return False
     return not node.is_impure() and not written_operands(node)
+
+
+def dead_nodes(graph: Graph) -> set[Node]:
+    """Every node of ``graph`` that ``is_dead``, in one pass from the output back."""
+    dead: set[Node] = set()
+    for node in reversed(graph.nodes):
+        if all(user in dead for user in node.users) and _pure_computation(node):
+            dead.add(node)
+    return dead
 
 
 def live_users(node: Node) -> list[Node]:

@@ -83,6 +83,11 @@ class Site:
         named += [("softcap", self.softcap), ("label_smoothing", self.label_smoothing)]
         return sorted({name for name, value in named if isinstance(value, Node)})
 
+    def nodes(self) -> list[Node]:
+        """The nodes the site reads or replaces, from the head to the loss (what ties the
+        rules' rewrites to it: ``journal.py``)."""
+        return [self.head, *self.chain, self.loss, *self.loss_views]
+
     def rewrite(self, graph: Graph) -> Node:
         """Replace the site in ``graph`` by the op; returns the op node."""
         raise NotImplementedError(f"{type(self).__name__} has no surgery")

@@ -87,8 +87,9 @@ def _bias_zero_(x, w, b, y):
 
 def _logits_div_(x, w, b, y):
     logits = F.linear(x, w)
-    logits.div_(2.0)  # the loss sees the halved logits
-    return ce(logits, y)
+    flat = logits.view(-1, V)
+    logits.div_(2.0)  # the loss sees the halved logits, and so does the view read after it
+    return ce(logits, y) + 0 * flat.sum()
 
 
 def _logits_setitem(x, w, b, y):

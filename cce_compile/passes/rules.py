@@ -1,0 +1,404 @@
+"""Rules that rewrite the forms RL code is written in into the form the matcher knows, before
+matching: a log-prob becomes a ``cross_entropy(reduction="none")`` the matcher fuses, and an
+entropy becomes ``cce::softmax_entropy``, which a fused site serves from the op's entropy.
+
+Each rule is a function of one node, the last of its form; it rewrites through the journal
+(``journal.py``: what is not fused is put back as it was) and says whether it did. In order:
+
+1. ``in_place_scale``: ``z.div_(T)``, ``z.mul_(c)``, ``z /= T`` (verl, OpenRLHF) -> ``z / T``,
+   read by every later use of ``z``; left in place, with the reason on the node, where another
+   view of ``z`` is read after the write or ``z`` is the caller's tensor.
+2. ``piecewise.join_pieces``: a loop over rows or chunks (``stack`` / ``cat`` of the same
+   row-wise function of pieces that cover a tensor) -> that function of the whole tensor.
+3. ``log_probs`` -> ``cce::token_log_probs(z, ids)``:
+   ``F.log_softmax(z, -1).gather(-1, ids[..., None])``,
+   ``z.gather(-1, ids[..., None]) - z.logsumexp(-1, keepdim=True)`` (or its ``unsqueeze``),
+   ``z.gather(-1, ids[..., None]).squeeze(-1) - z.logsumexp(-1)`` (the logsumexp may be
+   taken on a row view of ``z``: OpenRLHF's ``z.reshape(-1, V)`` then ``.view(*batch)``).
+4. ``entropy`` -> ``cce::softmax_entropy(z)``: ``-(exp(log_softmax(z)) * log_softmax(z)).sum(-1)``
+   (TRL), ``-(softmax(z) * log_softmax(z)).sum(-1)``, ``logsumexp(z) - (softmax(z) * z).sum(-1)``
+   (verl, OpenRLHF); either operand order.
+5. ``lower_log_probs``: ``token_log_probs(z, ids)`` ->
+   ``-F.cross_entropy(z.flatten(0, -2), ids.flatten(), reduction="none").view_as(ids)``: the same
+   values wherever eager's ``gather`` has them (ids in range; the ignore_index, -100, is out of
+   range for ``gather``, which raises there).
+6. ``dummy_loss``: an entropy whose logits no cross-entropy reads gets one, of zero targets and
+   unused, marked as such (``canonical.ENTROPY``): the site that carries its entropy.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Graph, Node
+
+from . import calls as c
+from . import canonical, piecewise, safety
+from . import predicates as p
+from .emit import Emitter
+from .journal import REPLACES, Journal
+
+
+def canonicalize(graph: Graph) -> Journal:
+    """Apply the rules to ``graph`` (module docstring), each over the whole graph in turn;
+    returns what they changed."""
+    journal = Journal(graph)
+    if any(_might_match(node) for node in graph.nodes):
+        for rule in RULES:
+            apply(graph, rule, journal)
+    return journal
+
+
+_STARTS = (c.LOG_SOFTMAX, c.SOFTMAX, c.LOGSUMEXP, c.GATHER, c.DIV_, c.MUL_)
+
+
+def _might_match(node: Node) -> bool:
+    """Could a rule start at ``node``? (Graphs without any are left untouched, cheaply.)"""
+    return any(spelling.args(node) is not None for spelling in _STARTS)
+
+
+def apply(graph: Graph, rule, journal: Journal) -> int:
+    """Apply ``rule`` at every live node of ``graph`` (not at dead code, such as the forms an
+    earlier rule replaced); returns how many times it rewrote."""
+    dead = safety.dead_nodes(graph)
+    count = 0
+    for node in list(graph.nodes):
+        calls = node.op in ("call_function", "call_method")
+        if calls and node not in dead and not node._erased:
+            count += bool(rule(node, journal))
+    return count
+
+
+# --- 1. in-place temperature -------------------------------------------------------------
+
+
+def in_place_scale(write: Node, journal: Journal) -> bool:
+    """``z.div_(T)`` / ``z.mul_(c)`` / ``z /= T`` / ``z *= c`` -> ``scaled = z / T`` (or
+    ``z * c``) in its place, every later use of ``z`` (and of the write's result) reading
+    ``scaled``. Left in place where that would change what something reads, the reason
+    written on the node (``canonical.KEPT_IN_PLACE``) for the site's report."""
+    found = [(s.args(write), op) for s, op in ((c.DIV_, operator.truediv), (c.MUL_, operator.mul))]
+    found = [(named, op) for named, op in found if named is not None]
+    if not found:
+        return False
+    ((named, out_of_place),) = found
+    z, factor = named["input"], named.get("other")
+    if factor is None or p.tensor_value(z) is None:
+        return False
+    why = _kept_in_place(write, z, factor)
+    if why is not None:
+        write.meta[canonical.KEPT_IN_PLACE] = why
+        return False
+    graph = write.graph
+    scaled = Emitter(graph, write)(out_of_place, z, factor)
+    scaled.meta[REPLACES] = write.name
+    order = safety.node_order(graph)
+    later = [u for u in z.users if u is not write and order[u] > order[write]]
+    for user in later:
+        user.replace_input_with(z, scaled)
+    readers = list(write.users)
+    write.replace_all_uses_with(scaled)
+    saved = (write.op, write.target, write.args, write.kwargs, dict(write.meta))
+    graph.erase_node(write)
+
+    def undo() -> None:
+        with graph.inserting_before(scaled):
+            restored = graph.create_node(*saved[:4])
+        restored.meta.update(saved[4])
+        for user in later:
+            user.replace_input_with(scaled, z)
+        for user in readers:
+            user.replace_input_with(scaled, restored)
+        graph.erase_node(scaled)
+
+    journal.record("in-place scale", [z, scaled], [scaled], undo)
+    return True
+
+
+def _kept_in_place(write: Node, z: Node, factor: Any) -> str | None:
+    """Why the write must stay in place, or None."""
+    value, factor_value = p.tensor_value(z), p.tensor_value(factor)
+    if factor_value is None and p.scalar(factor) is None:
+        return "its factor is neither a number nor a tensor"
+    if factor_value is not None and (
+        factor_value.dim() > value.dim() or torch.result_type(value, factor_value) != value.dtype
+    ):
+        return "its factor would change the logits' shape or dtype out of place"
+    if z.op == "placeholder":
+        return f"{z.name} is an input of the graph (the write is seen by the caller)"
+    key = safety.storage(z)
+    if key is None:
+        return f"the memory of {z.name} cannot be told apart from other tensors'"
+    order = safety.node_order(write.graph)
+    for node in write.graph.nodes:
+        if node is write:
+            break
+        if node is z or safety.storage(node) != key:
+            continue
+        if node.op == "placeholder":
+            return f"{z.name} is a view of graph input {node.name} (the caller sees the write)"
+        after = [u for u in safety.live_users(node) if order[u] > order[write]]
+        if after:
+            return f"{node.name}, another view of {z.name}, is read after it (by {after[0].name})"
+    return None
+
+
+# --- 3. log-probs ------------------------------------------------------------------------
+
+
+def log_probs(node: Node, journal: Journal) -> bool:
+    """The log-prob forms (module docstring, 3.) -> ``cce::token_log_probs``."""
+    found = _log_softmax_gather(node) or _gather_minus_logsumexp(node)
+    if found is None:
+        return False
+    z, index, keeps_dim, matched = found
+    old = node
+    users = list(node.users)
+    if keeps_dim and len(users) == 1 and _squeezes_last(users[0]):
+        old, keeps_dim = users[0], False  # fold the user's squeeze(-1)
+    emit = Emitter(node.graph, old)
+    created: list[Node] = []
+    ids = _unsqueezed_source(index)
+    if ids is None:
+        ids = _made(created, emit.method("squeeze", index, -1))
+    new = _made(created, emit(canonical.TOKEN_LOG_PROBS, z, ids))
+    if keeps_dim:
+        new = _made(created, emit.method("unsqueeze", new, -1))
+    if p.tensor_value(new).dtype != p.tensor_value(old).dtype:
+        journal.erase(created)
+        return False
+    journal.replaced("log-probs", old, new, [node, *matched], created)
+    return True
+
+
+def _made(created: list[Node], node: Node) -> Node:
+    created.append(node)
+    return node
+
+
+def _log_softmax_gather(node: Node) -> tuple | None:
+    """(z, index, True, matched) for ``log_softmax(z, -1).gather(-1, index)``."""
+    gathered = _gather(node)
+    if gathered is None:
+        return None
+    log_softmax, index = gathered
+    z = c.over_last_dim(c.LOG_SOFTMAX, log_softmax)
+    if z is None or not _indexes(index, z):
+        return None
+    return z, index, True, [log_softmax, z, index]
+
+
+def _gather_minus_logsumexp(node: Node) -> tuple | None:
+    """(z, index, keeps_dim, matched) for ``gather(z, -1, index) - logsumexp`` over the same
+    rows: keepdim / unsqueezed (keeps_dim), or both squeezed."""
+    named = c.SUB.args(node)
+    if named is None or len(named) != 2:
+        return None
+    picked, lse = named["input"], named["other"]
+    keeps_dim = not _squeezes_last(picked)
+    gathered = _gather(picked if keeps_dim else picked.args[0])
+    if gathered is None:
+        return None
+    z, index = gathered
+    rows = _logsumexp_rows(lse, keepdim=keeps_dim)
+    if rows is None or not _indexes(index, z) or _root(rows[0]) is not _root(z):
+        return None
+    if not _same_shape(picked, lse):
+        return None
+    return z, index, keeps_dim, [picked, z, index, lse, *rows]
+
+
+def _gather(node: Any) -> tuple[Node, Node] | None:
+    """(input, index) of ``gather`` over the last dim."""
+    named = c.GATHER.args(node)
+    if named is None or "index" not in named or not c.last_dim(named.get("dim"), node):
+        return None
+    return named["input"], named["index"]
+
+
+def _indexes(index: Any, z: Node) -> bool:
+    """Is ``index`` one int64 class per row of ``z``, as (..., 1)?"""
+    value, logits = p.tensor_value(index), p.tensor_value(z)
+    if value is None or logits is None or value.dtype != torch.int64:
+        return False
+    if value.dim() != logits.dim() or not p.same_size(value.shape[-1], 1):
+        return False
+    return all(p.same_size(a, b) for a, b in zip(value.shape[:-1], logits.shape[:-1]))
+
+
+def _logsumexp_rows(node: Any, keepdim: bool) -> list[Node] | None:
+    """[logsumexp input, the nodes on the way] for a logsumexp over the last dim, through
+    views of its result, and its unsqueeze(-1) or keepdim=True where ``keepdim``."""
+    path = []
+    while p.is_method(node, {"view", "reshape", "contiguous"}) or p.is_call(node, {torch.reshape}):
+        path.append(node)
+        node = node.args[0]
+    if keepdim and c.over_last_dim(c.LOGSUMEXP, node, keepdim=True) is not None:
+        return [c.over_last_dim(c.LOGSUMEXP, node, keepdim=True), *path, node]
+    if keepdim:
+        named = c.UNSQUEEZE.args(node)
+        if named is None or not c.last_dim(named.get("dim"), node):
+            return None
+        path.append(node)
+        node = named["input"]
+    source = c.over_last_dim(c.LOGSUMEXP, node)
+    return None if source is None else [source, *path, node]
+
+
+def _squeezes_last(node: Any) -> bool:
+    named = c.SQUEEZE.args(node)
+    return named is not None and c.last_dim(named.get("dim"), named["input"])
+
+
+def _unsqueezed_source(index: Node) -> Node | None:
+    """ids for ``ids.unsqueeze(-1)`` or ``ids[..., None]``."""
+    named = c.UNSQUEEZE.args(index)
+    if named is not None and c.last_dim(named.get("dim"), index):
+        return named["input"]
+    if p.is_call(index, {operator.getitem}) and index.args[1] in ((Ellipsis, None), (..., None)):
+        return index.args[0]
+    return None
+
+
+def _same_shape(a: Node, b: Node) -> bool:
+    x, y = p.tensor_value(a), p.tensor_value(b)
+    return (
+        x is not None
+        and y is not None
+        and x.dim() == y.dim()
+        and all(p.same_size(m, n) for m, n in zip(x.shape, y.shape))
+    )
+
+
+def _root(node: Any) -> Any:
+    """The tensor whose rows ``node`` holds, through row views, contiguous and float32 casts."""
+    while p.is_row_view(node) or p.is_passthrough(node) or p.cast_dtype(node) == torch.float32:
+        node = node.args[0]
+    return node
+
+
+# --- 4. entropy --------------------------------------------------------------------------
+
+
+def entropy(node: Node, journal: Journal) -> bool:
+    """The entropy forms (module docstring, 4.) -> ``cce::softmax_entropy``."""
+    found = _negated_sum_p_log_p(node) or _logsumexp_minus_expected_logit(node)
+    if found is None:
+        return False
+    z, matched = found
+    emit = Emitter(node.graph, node)
+    new = emit(canonical.SOFTMAX_ENTROPY, z)
+    if p.tensor_value(new).dtype != p.tensor_value(node).dtype:
+        journal.erase([new])
+        return False
+    journal.replaced("entropy", node, new, [z, *matched], [new])
+    return True
+
+
+def _negated_sum_p_log_p(node: Node) -> tuple[Node, list[Node]] | None:
+    """(z, matched) for ``-(P * log_softmax(z)).sum(-1)``, P ``exp(log_softmax(z))`` or
+    ``softmax(z)``."""
+    named = c.NEG.args(node)
+    if named is None:
+        return None
+    total = named["input"]
+    product = c.over_last_dim(c.SUM, total)
+    factors = _factors(product)
+    if factors is None:
+        return None
+    for probs, log_probs_node in (factors, factors[::-1]):
+        z = c.over_last_dim(c.LOG_SOFTMAX, log_probs_node)
+        exponent = c.EXP.args(probs)
+        source = c.over_last_dim(c.LOG_SOFTMAX, exponent["input"]) if exponent else None
+        source = source or c.over_last_dim(c.SOFTMAX, probs)
+        if z is not None and source is z:
+            return z, [total, product, probs, log_probs_node]
+    return None
+
+
+def _logsumexp_minus_expected_logit(node: Node) -> tuple[Node, list[Node]] | None:
+    """(z, matched) for ``logsumexp(z, -1) - (softmax(z) * z).sum(-1)``."""
+    named = c.SUB.args(node)
+    if named is None or len(named) != 2:
+        return None
+    z = c.over_last_dim(c.LOGSUMEXP, named["input"])
+    product = c.over_last_dim(c.SUM, named["other"])
+    factors = _factors(product)
+    if z is None or factors is None:
+        return None
+    for probs, logits in (factors, factors[::-1]):
+        if logits is z and c.over_last_dim(c.SOFTMAX, probs) is z:
+            return z, [named["input"], named["other"], product, probs]
+    return None
+
+
+def _factors(node: Any) -> tuple[Node, Node] | None:
+    named = c.MUL.args(node)
+    if named is None or len(named) != 2:
+        return None
+    a, b = named["input"], named["other"]
+    return (a, b) if isinstance(a, Node) and isinstance(b, Node) else None
+
+
+# --- 5, 6. lowering -----------------------------------------------------------------------
+
+
+def lower_log_probs(node: Node, journal: Journal) -> bool:
+    """``token_log_probs(z, ids)`` -> ``-cross_entropy(z.flatten(0, -2), ids.flatten(),
+    reduction="none").view_as(ids)``, the cross-entropy marked as log-probs."""
+    if not canonical.is_token_log_probs(node) or p.tensor_value(node.args[0]).dim() < 2:
+        return False
+    z, ids = node.args
+    emit = Emitter(node.graph, node)
+    rows = emit.method("flatten", z, 0, -2)
+    targets = emit.method("flatten", ids)
+    loss = emit(F.cross_entropy, rows, targets, reduction="none")
+    loss.meta[canonical.FORM] = canonical.LOG_PROBS
+    negated = emit(operator.neg, loss)
+    shaped = emit.method("view_as", negated, ids)
+    created = [rows, targets, loss, negated, shaped]
+    dtype = p.tensor_value(node).dtype
+    if p.tensor_value(shaped).dtype != dtype:  # autocast computes cross_entropy in float32
+        shaped = emit.method("to", shaped, dtype)
+        created.append(shaped)
+    journal.replaced("lowering", node, shaped, [z], created)
+    return True
+
+
+def dummy_loss(node: Node, journal: Journal) -> bool:
+    """For ``softmax_entropy(x)`` where no cross-entropy reads the rows of ``x``:
+    ``cross_entropy(x.flatten(0, -2), zeros, reduction="none")``, unused, marked as an
+    entropy's (``canonical.ENTROPY``): the op's entropy output serves ``x``'s entropy."""
+    x = canonical.entropy_input(node)
+    if x is None or p.tensor_value(x).dim() < 2:
+        return False
+    if _root(x) in {_root(logits) for logits in _loss_inputs(node.graph)}:
+        return False
+    emit = Emitter(node.graph, node)
+    rows = emit.method("flatten", x, 0, -2)
+    first = emit(operator.getitem, rows, (Ellipsis, 0))
+    targets = emit(torch.zeros_like, first, dtype=torch.int64)
+    loss = emit(F.cross_entropy, rows, targets, reduction="none")
+    loss.meta[canonical.FORM] = canonical.ENTROPY
+    created = [rows, first, targets, loss]
+    journal.record("lowering", [x, node], created, lambda: journal.erase(created))
+    return True
+
+
+RULES = (in_place_scale, piecewise.join_pieces, log_probs, entropy, lower_log_probs, dummy_loss)
+
+
+def _loss_inputs(graph: Graph) -> list[Node]:
+    """The logits every cross-entropy and nll_loss of the graph reads."""
+    inputs = []
+    for node in graph.nodes:
+        if p.is_cross_entropy(node):
+            logits = p.bind(node, F.cross_entropy)["input"]
+            inputs.append(p.class_dim_moved_last(logits) or logits)
+        elif p.is_nll_loss(node):
+            source = p.log_softmax_input(_root(p.bind(node, F.nll_loss)["input"]))
+            inputs.extend([source] if source is not None else [])
+    return inputs
