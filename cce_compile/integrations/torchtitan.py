@@ -17,7 +17,9 @@ Importing this module registers ``llama3_cce``: torchtitan's own ``llama3`` spec
   to its backward (torchtitan reshards it after forward only with
   ``fsdp_reshard_after_forward='always'``, refused), so the loss reads the gathered weight.
   Under tensor parallelism the weight is vocabulary-sharded and the loss is
-  ``cce_compile.distributed.vocab_parallel_cross_entropy``.
+  ``cce_compile.distributed.vocab_parallel_cross_entropy`` of the head's own (sequence-sharded)
+  input, the model returning an empty stand-in: the head's collectives are those of
+  torchtitan's head (``FusedHead``).
 
 Two flags::
 
@@ -80,10 +82,47 @@ def check_torchtitan_version(version: str) -> tuple[int, int]:
 
 class FusedHead(nn.Linear):
     """The model's ``output`` for the fused loss: hands its input (the normed hidden states)
-    through; the loss applies the weight. Being called keeps FSDP2's and TP's hooks in place."""
+    through; the loss applies the weight. Being called keeps FSDP2's and TP's hooks in place.
+
+    Under tensor parallelism the input is a DTensor (torchtitan 0.2's plan: ``Shard(1)``, the
+    final norm's sequence-parallel output), and the head's plan would gather it to
+    ``Replicate`` before ``forward`` and then place what ``forward`` returns as logits: split
+    over D under loss parallelism (which the loss would gather back), or made local (whose
+    gradient then comes back all-reduced). Instead the hooks are given an empty replicated
+    stand-in (no communication), the call returns what they make of it, and the loss takes the
+    input itself (``tp_input``): the op gathers it once and its backward reduce-scatters
+    hidden's gradient, torchtitan's own head's collectives. Nothing flows back through the
+    returned stand-in, so FSDP2's pre-backward hook on it does not run (its prefetch of the
+    last block's weights is lost); FSDP2 still reduces this unit's gradients when hidden's
+    gradient reaches the norm.
+    """
+
+    # (what the latest call returned, the DTensor it was given): set under TP only
+    _tp_handover: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if not isinstance(hidden, DTensor):
+            self._tp_handover = None
+            return super().__call__(hidden)  # FSDP2's hooks run in here
+        mesh = hidden.device_mesh
+        empty = hidden.to_local().detach()[..., :0, :]  # (..., 0 tokens, D)
+        stand_in = DTensor.from_local(empty, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        returned = super().__call__(stand_in)  # FSDP2's hooks and the TP plan's, no comm
+        self._tp_handover = (returned, hidden)
+        return returned
+
+    def tp_input(self, returned: torch.Tensor) -> torch.Tensor | None:
+        """The DTensor the latest call was given if ``returned`` is what that call returned
+        (the loss's ``pred``), else None. Each call's is handed over once."""
+        handover, self._tp_handover = self._tp_handover, None
+        if handover is None or handover[0] is not returned:
+            return None
+        return handover[1]
 
 
 # The FusedHead of each model built: torchtitan builds the loss apart from the model
@@ -129,10 +168,10 @@ def fused_cross_entropy(hidden: torch.Tensor, head: nn.Linear, labels: torch.Ten
 
     hidden (B, T, D), labels (B, T). A plain head weight (V, D) (single device, FSDP2 after
     its all-gather) takes the op; a tensor-parallel one, ``Shard(0)`` on the tp mesh, takes the
-    vocabulary-parallel op, which returns the loss replicated and leaves hidden's gradient
-    ``Partial`` for DTensor to reduce once.
+    vocabulary-parallel op, which returns the loss replicated; a DTensor hidden's gradient is
+    left ``Partial`` for DTensor to reduce once.
     """
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Shard
 
     weight, bias = head.weight, head.bias
     if not isinstance(weight, DTensor):
@@ -144,13 +183,10 @@ def fused_cross_entropy(hidden: torch.Tensor, head: nn.Linear, labels: torch.Ten
         )
     from ..distributed import vocab_parallel_cross_entropy
 
-    # The TP plan's output hook placed the hidden states FusedHead returned as if they were
-    # logits: Shard(-1) (loss parallel) or replicated. Gather them back to Replicate (an
-    # N x D all-gather, no comm when they are already replicated).
-    mesh = weight.device_mesh
-    if not isinstance(hidden, DTensor):
-        hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
-    hidden = hidden.redistribute(mesh, [Replicate()])
+    # hidden as given: a DTensor (FusedHead.tp_input, sequence-sharded) is gathered by the op
+    # and its gradient reduce-scattered by DTensor; a plain replica's gradient is all-reduced
+    # by the op. (Redistributing a DTensor to Replicate here would turn that reduce-scatter
+    # into an all-reduce: the backward of a redistribute returns the gradient replicated.)
     return vocab_parallel_cross_entropy(hidden, weight, labels, bias, reduction="sum")
 
 
@@ -176,13 +212,21 @@ def build_fused_loss(job_config, **kwargs):
 
     def loss_fn(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         head = _model_head()
-        loss = fused_cross_entropy(pred, head, labels)
+        given = head.tp_input(pred)  # TP: the head's input; pred is a stand-in
+        if given is None and pred.shape[-2] == 0 < labels.shape[-1]:
+            raise TorchtitanIntegrationError(
+                "the fused loss got an empty stand-in that is not the latest output of the "
+                "model's FusedHead under tensor parallelism (or was used already): call the "
+                "loss once per forward, on that forward's output"
+            )
+        hidden = pred if given is None else given
+        loss = fused_cross_entropy(hidden, head, labels)
         if not said:
             said.append(True)
             log.info(
                 "cce_compile: torchtitan loss fused (no logits): head %s, hidden %s",
                 _describe(head.weight),
-                _describe(pred),
+                _describe(hidden),
             )
         return loss
 

@@ -29,6 +29,11 @@ FLAGS_02 = {
         "--parallelism.tensor_parallel_degree", "2",
         "--parallelism.data_parallel_shard_degree", "1",
     ),
+    # FSDP2 over 2 x TP 2: 4 ranks
+    "dp2-tp2": (
+        "--parallelism.tensor_parallel_degree", "2",
+        "--parallelism.data_parallel_shard_degree", "2",
+    ),
 }  # fmt: skip
 # 0.3.0: a registered config function, overrides; flags with dashes. Its debug model (dim 256,
 # 6 layers, V 2048) at a short sequence, float32 parameters, FlexAttention evaluated densely.
@@ -56,7 +61,8 @@ FLAGS_03 = {
     ),
 }  # fmt: skip
 # (0.3's hook refuses TP; 0.2's refuses reshard-after-forward 'always')
-LAYOUTS = ("fsdp2", "tp2") if RELEASE == "0.2" else ("fsdp2", "fsdp2-reshard-always")
+LAYOUTS = ("fsdp2", "tp2", "dp2-tp2") if RELEASE == "0.2" else ("fsdp2", "fsdp2-reshard-always")
+RANKS = {"dp2-tp2": 4}  # ranks a layout runs on; 2 for the others
 # What the test suite runs: one layout per release (each costs 25-45 s on 2 CPU cores: two
 # torchrun jobs). FSDP2 on 0.2; on 0.3 FSDP2 with the head resharded after the norm's forward,
 # which only passes if the fused loss calls the head. The other LAYOUTS passed when checked by
@@ -173,15 +179,16 @@ def _run(command: list[str], workdir: pathlib.Path) -> tuple[int, str]:
 
 
 def train(workdir: pathlib.Path, layout: str, *, fused: bool) -> tuple[list[tuple], str]:
-    """One torchtitan run: ([(loss, grad_norm) per step], its log). Raises with the log's tail
-    when the run fails (a finished run that aborts at exit is run once more: TEARDOWN_ABORT)."""
+    """One torchtitan run on 2 ranks (RANKS: more): ([(loss, grad_norm) per step], its log).
+    Raises with the log's tail when the run fails (a finished run that aborts at exit is run
+    once more: TEARDOWN_ABORT)."""
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        "2",
+        str(RANKS.get(layout, 2)),
         str(LAUNCHER),
         *trainer_flags(layout, fused=fused),
     ]
