@@ -61,15 +61,11 @@ def _might_match(node: Node) -> bool:
 
 
 def apply(graph: Graph, rule, journal: Journal) -> int:
-    """Apply ``rule`` at every live node of ``graph`` (not at dead code, such as the forms an
-    earlier rule replaced); returns how many times it rewrote."""
-    dead = safety.dead_nodes(graph)
-    count = 0
-    for node in list(graph.nodes):
-        calls = node.op in ("call_function", "call_method")
-        if calls and node not in dead and not node._erased:
-            count += bool(rule(node, journal))
-    return count
+    """Apply ``rule`` at every live node of ``graph`` where its form can end (not at dead
+    code, such as the forms an earlier rule replaced); returns how many times it rewrote."""
+    ends = [n for n in graph.nodes if any(s.args(n) is not None for s in _ENDS[rule.__name__])]
+    dead = safety.dead_nodes(graph) if ends else set()
+    return sum(bool(rule(n, journal)) for n in ends if n not in dead and not n._erased)
 
 
 # --- 1. in-place temperature -------------------------------------------------------------
@@ -389,6 +385,15 @@ def dummy_loss(node: Node, journal: Journal) -> bool:
 
 
 RULES = (in_place_scale, piecewise.join_pieces, log_probs, entropy, lower_log_probs, dummy_loss)
+# The last node of each rule's forms, by its spellings.
+_ENDS = {
+    "in_place_scale": (c.DIV_, c.MUL_),
+    "join_pieces": (c.STACK, c.CAT),
+    "log_probs": (c.GATHER, c.SUB),
+    "entropy": (c.NEG, c.SUB),
+    "lower_log_probs": (c.call({canonical.TOKEN_LOG_PROBS}, params=("input", "index")),),
+    "dummy_loss": (c.call({canonical.SOFTMAX_ENTROPY}),),
+}
 
 
 def _loss_inputs(graph: Graph) -> list[Node]:
