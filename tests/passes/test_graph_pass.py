@@ -71,6 +71,7 @@ SETTING_VALUES = dict(
     skip_ignored=[True, False],
     check_targets=[False, True],
     disable=[False, True],
+    trl=[True, False],
 )
 
 
