@@ -284,10 +284,12 @@ class RowCoefficients:
 
 @dataclasses.dataclass
 class EntropyGradient:
-    """The returned entropy's upstream gradient and the entropy itself, (N,) each."""
+    """The returned entropy's upstream gradient and the entropy itself, (N,) each;
+    ``all_rows``: it was returned at ignored rows too (else as 0 there, carrying nothing)."""
 
     grad: torch.Tensor
     entropy: torch.Tensor
+    all_rows: bool = False
 
 
 def row_coefficients(
@@ -303,7 +305,7 @@ def row_coefficients(
     """Per-row coefficients of dz (the module docstring).
 
     Without ``lse_all_rows`` an ignored row's lse was returned as the constant 0, so its
-    gradient carries nothing back; the returned entropy is 0 at ignored rows always.
+    gradient carries nothing back; so was its entropy, unless ``entropy.all_rows``.
     """
     if grad_lse is not None and not lse_all_rows:
         grad_lse = torch.where(rows.valid, grad_lse, 0.0)
@@ -311,9 +313,13 @@ def row_coefficients(
     coef_p = parts.p_base if parts.p_per_lse is None else parts.p_base + parts.p_per_lse * lse
     coef_e = None
     if entropy is not None:
-        coef_e = torch.where(rows.valid, -entropy.grad.float(), 0.0)
-        # where(): an ignored row's entropy is a placeholder 0 with no gradient to carry.
-        coef_p = coef_p + torch.where(rows.valid, coef_e * entropy.entropy.float(), 0.0)
+        coef_e = -entropy.grad.float()
+        entropy_term = coef_e * entropy.entropy.float()
+        if not entropy.all_rows:
+            # where(): an ignored row's entropy is a placeholder 0 with no gradient to carry.
+            coef_e = torch.where(rows.valid, coef_e, 0.0)
+            entropy_term = torch.where(rows.valid, entropy_term, 0.0)
+        coef_p = coef_p + entropy_term
     return RowCoefficients(coef_p, parts.coef_t, parts.coef_w, coef_e)
 
 

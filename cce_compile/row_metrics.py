@@ -89,11 +89,19 @@ def stats_needed(metrics: tuple[RowMetric, ...]) -> frozenset[str]:
 
 
 def values(
-    metrics: tuple[RowMetric, ...], stats, lse: torch.Tensor, vocab: int, valid: torch.Tensor
+    metrics: tuple[RowMetric, ...],
+    stats,
+    lse: torch.Tensor,
+    vocab: int,
+    valid: torch.Tensor | None,
 ) -> dict[str, torch.Tensor]:
     """Each metric's value per row, its ``ignored_value`` where ``valid`` is False (the
-    kernels may skip ignored rows' tiles: their statistics are placeholders)."""
+    kernels may skip ignored rows' tiles: their statistics are placeholders); every row's
+    where ``valid`` is None (they were computed)."""
+    found = {metric.name: metric.value(stats, lse, vocab) for metric in metrics}
+    if valid is None:
+        return found
     return {
-        metric.name: torch.where(valid, metric.value(stats, lse, vocab), metric.ignored_value)
+        metric.name: torch.where(valid, found[metric.name], metric.ignored_value)
         for metric in metrics
     }

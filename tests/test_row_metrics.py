@@ -261,3 +261,57 @@ def test_not_served_under_a_functorch_transform():
 
     with pytest.raises(NotImplementedError, match="return_entropy"):
         torch.func.grad(loss_of)(case.hidden)
+
+
+def _op_entropy_every_row(case, mode):
+    """The op's per-row loss and entropy with ``metrics_all_rows`` (what the graph pass asks
+    for an entropy beside the user's own cross_entropy), through its argument list."""
+    from cce_compile.op import custom_ops
+    from cce_compile.op.signature import FORWARD, FORWARD_RETURNS
+
+    needs = dict(grad_hidden=True, grad_classifier=True, grad_bias=case.bias is not None)
+    output = torch.ops.cce.linear_cross_entropy(
+        *FORWARD.build(
+            hidden=case.hidden,
+            classifier=case.classifier,
+            targets=case.targets,
+            bias=case.bias,
+            class_weights=None,
+            ignore_index=case.ignore_index,
+            reduction=case.reduction,
+            label_smoothing=0.0,
+            softcap=case.softcap,
+            logit_scale=case.logit_scale,
+            shift=case.shift,
+            z_loss=0.0,
+            lse_all_rows=False,
+            mode=mode,
+            **needs,
+            implementation_version=custom_ops.IMPLEMENTATION_VERSION,
+            skip_ignored=True,
+            return_entropy=True,
+            metrics_all_rows=True,
+        )
+    )
+    out = FORWARD_RETURNS.unpack(output)
+    return out.loss, out.entropy
+
+
+@pytest.mark.parametrize("mode", ["lean", "fast"])
+def test_entropy_of_every_row_beside_a_loss_that_ignores_some(implementation, mode):
+    """``metrics_all_rows``: the entropy (and its gradient) at ignored rows too, while the loss
+    still ignores them: eager's entropy of the logits beside its cross_entropy."""
+    case = _case(dict(softcap=4.0, bias=True, reduction="sum"), seed=3, ignored=0.4)
+    leaves = [t.requires_grad_() for t in case.leaves()]
+    loss, entropy = _op_entropy_every_row(case, mode)
+    hidden, _ = _rows(case)
+    logits = oracle_logits(hidden, case.classifier, case.bias, case.softcap, case.logit_scale)
+    log_p = logits.log_softmax(-1)
+    want_entropy = -(log_p.exp() * log_p).sum(-1)  # every row, the ignored ones included
+    assert_close("entropy", entropy, want_entropy.detach(), 1e-5, 5.0)
+    assert_close("loss", loss, oracle(case).float(), LOSS_RTOL[torch.float32])
+    upstream = torch.linspace(-1, 1, entropy.numel()).reshape(entropy.shape).to(DEVICE)
+    got = torch.autograd.grad(loss + (entropy * upstream).sum(), leaves)
+    want = torch.autograd.grad(oracle(case) + (want_entropy * upstream.double()).sum(), leaves)
+    for g, w in zip(got, want):
+        assert rel_error(g, w) < GRAD_RTOL[torch.float32]

@@ -99,7 +99,8 @@ def select(args: Bound, order_of: OrderOf | None = None) -> Selection | None:
     if not args.skip_ignored:
         return None
     valid = valid_rows(args.targets[:, args.shift :].reshape(-1), args.ignore_index)
-    if args.lse_all_rows or _capturing(valid.device) or not _pays(args, valid.numel()):
+    every_row = args.lse_all_rows or (args.has("metrics_all_rows") and args.metrics_all_rows)
+    if every_row or _capturing(valid.device) or not _pays(args, valid.numel()):
         return Selection(torch.arange(valid.numel(), device=valid.device), valid.numel())
     if order_of is not None:
         return _kept_first(valid, order_of)

@@ -344,7 +344,7 @@ linear_cross_entropy, linear_cross_entropy_backward = define(
     (_forward, _forward_fake, dispatch.backward),
 )
 
-_PASSED_ON = ("compute_dtype", *LOSS_OPTIONS, "lse_all_rows")  # forward -> backward
+_PASSED_ON = ("compute_dtype", *LOSS_OPTIONS, "lse_all_rows", "metrics_all_rows")  # to backward
 
 
 def _setup_context(ctx, inputs, output) -> None:

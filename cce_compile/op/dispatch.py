@@ -131,7 +131,7 @@ def _forward_rows(args: Bound, budget: int, kept: KeptRows | None = None) -> For
         else:
             beta = args.grad_filter if _filtered(args, spec) else None
             stats = impl.logit_stats(
-                head, all_rows=args.lse_all_rows, block_lse=beta is not None, extras=extras
+                head, all_rows=_all_rows(args), block_lse=beta is not None, extras=extras
             )
             lse = stats.lse
             out = ForwardOut(
@@ -139,12 +139,20 @@ def _forward_rows(args: Bound, budget: int, kept: KeptRows | None = None) -> For
             )
             if beta is not None:
                 out.keep_blocks = filtering.keep_blocks(stats.block_lse, lse, rows.targets, beta)
-        # Metrics of the rows that count (the kernels may skip ignored rows' tiles).
-        out.metrics = row_metrics.values(metrics, stats, lse, vocab, rows.valid)
-    out.lse = returned_lse(lse, rows, args.lse_all_rows)
+        # Metrics of the rows that count (the kernels may skip ignored rows' tiles), or of
+        # every row (``metrics_all_rows``).
+        counted = None if args.metrics_all_rows else rows.valid
+        out.metrics = row_metrics.values(metrics, stats, lse, vocab, counted)
+    out.lse = returned_lse(lse, rows, _all_rows(args))
     if out.grad_hidden is not None:  # the op returns it in hidden's own dtype
         out.grad_hidden = out.grad_hidden.to(args.hidden.dtype)
     return out
+
+
+def _all_rows(args: Bound) -> bool:
+    """Must the forward compute ignored rows' statistics too (the lse or the row metrics
+    returned valid there)?"""
+    return args.lse_all_rows or args.metrics_all_rows
 
 
 def _expanded(out: ForwardOut, selection: compaction.Selection, args: Bound) -> ForwardOut:
@@ -242,7 +250,9 @@ def coefficients(args: Bound, vocab: int) -> tuple[torch.Tensor, Coefficients]:
     rows = row_targets(args.targets, args.class_weights, spec, vocab)
     entropy = None
     if args.has("grad_entropy") and args.grad_entropy is not None:
-        entropy = EntropyGradient(args.grad_entropy.reshape(-1), args.entropy.reshape(-1))
+        entropy = EntropyGradient(
+            args.grad_entropy.reshape(-1), args.entropy.reshape(-1), args.metrics_all_rows
+        )
     coefs = row_coefficients(
         grad_loss, grad_lse, lse, rows, spec, vocab, args.lse_all_rows, entropy=entropy
     )

@@ -162,6 +162,10 @@ FORWARD = Signature(
         # Also each row's metrics, from the same pass (row_metrics.py: the entropy, with its
         # gradient; the argmax, log sum p^2 and mean logit, without).
         *(Argument(flag, "bool", default=False) for flag in row_metrics.FLAGS),
+        # The row metrics (and the returned lse) are valid at ignored rows too, as eager's
+        # entropy of the logits beside a loss that ignores them (no compaction, no skipped
+        # tiles); without it they are their ``ignored_value`` there.
+        Argument("metrics_all_rows", "bool", default=False),
     ]
 )
 # What each output holds: ops._forward's docstring.
@@ -188,6 +192,7 @@ BACKWARD = Signature(
         *_OPTIONS,
         Argument("lse_all_rows", "bool"),
         *_GRAD_FLAGS,
+        Argument("metrics_all_rows", "bool", default=False),
     ]
 )
 BACKWARD_RETURNS = Returns(*GRAD_FLAGS)  # empty where not asked for

@@ -34,7 +34,6 @@ from .emit import (
     shape_of,
     targets_as_rows,
 )
-from .journal import user_name
 from .report_types import location
 from .verdicts import DTENSOR, ESCAPES, NO_HEAD, UNSUPPORTED_OPTION, Rejection, Site
 
@@ -275,14 +274,6 @@ def _serve(
             and (grad[0] == grad[1] or (entropy and grad[1]))
             and not safety.grad_mode_changes(first, loss, order)
         )
-        if servable and entropy and canonical.form(loss) is None:
-            servable = False  # the op's entropy is 0 at ignored rows, which eager's is not
-            found.notes.append(
-                f"{user_name(user)} is their entropy, which the op returns as 0 at rows whose "
-                f"target is ignore_index ({found.options.ignore_index}) where eager's is not "
-                "(written as log_softmax(z).gather(-1, ids[..., None]), whose ids are never "
-                "ignored, the log-probs and the entropy fuse into one call)"
-            )
         if servable:
             shapes.append(shape)
             anchor = min(anchor, first, key=order.__getitem__)
@@ -469,6 +460,8 @@ def _op_arguments(emit: Emitter, site: PlainSite, rows: Node) -> tuple:
         **loss_arguments(emit, site),
         lse_all_rows=bool(site.lse_users),
         return_entropy=bool(site.entropy_users),
+        # Beside the user's own cross_entropy, eager's entropy counts the rows it ignores.
+        metrics_all_rows=bool(site.entropy_users) and canonical.form(site.loss) is None,
         mode=choose_site_mode(site, needs),
         grad_hidden=needs[0],
         grad_classifier=needs[1],

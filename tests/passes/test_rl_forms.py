@@ -235,10 +235,12 @@ def test_every_form_fuses_into_one_call_per_head_and_matches_float64(mode):
 # --- what is not fused, and why -------------------------------------------------------------
 
 
-def user_cross_entropy_and_entropy(x, w, ids):
-    z = F.linear(x, w) / TEMPERATURE
-    log_probs = -F.cross_entropy(z.reshape(-1, V), ids.reshape(-1), reduction="none")
-    return log_probs, -(F.softmax(z, -1) * F.log_softmax(z, -1)).sum(-1)
+def sft_loss_and_entropy(x, w, labels):
+    """A training loop's loss over labels with ignored (prompt, padding) rows, and the entropy
+    of every row's distribution logged beside it."""
+    z = F.linear(x, w)
+    loss = F.cross_entropy(z.reshape(-1, V), labels.reshape(-1), ignore_index=-100)
+    return loss, -(F.softmax(z, -1) * F.log_softmax(z, -1)).sum(-1)
 
 
 def openrlhf_entropy_before_temperature(x, w, ids):
@@ -274,11 +276,6 @@ def logits_from_outside(x, w, ids):
 
 
 LEFT_ALONE = {
-    "user cross_entropy and entropy": (
-        user_cross_entropy_and_entropy,
-        ["logits_escape"],
-        "ignore_index (-100) where eager's is not",
-    ),
     "OpenRLHF entropy before temperature": (
         openrlhf_entropy_before_temperature,
         ["logits_escape", "logits_escape"],
@@ -313,6 +310,30 @@ def test_forms_that_cannot_fuse_are_left_as_written_and_say_why(case, caplog):
     assert any(f"({reasons[0]})" in m and "left the" in m for m in told), told
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert bool(warned) != (fn is logits_from_outside), warned  # (RL forms without a head: INFO)
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_an_entropy_beside_a_loss_that_ignores_rows_fuses_with_it(mode):
+    """One op call for the loss and the entropy: the entropy of every row (eager's, the
+    ignored ones included: the op's ``metrics_all_rows``) and the loss over the kept ones,
+    values and gradients against float64."""
+    dtype, autocast = mode
+    x, (w,), ids, _ = make_inputs(dtype or torch.float32, ["one"], seed=1)
+    labels = ids.masked_fill(torch.arange(T) < T // 3, -100)  # the prompt's rows
+    (loss, entropy), compiled = compile_and_run(sft_loss_and_entropy, (x, w, labels), autocast)
+    assert compiled.counts == {"rewritten": 1}, compiled.counts
+    assert [n.target for g in compiled.graphs for n in g.graph.nodes].count(OP) == 1
+    assert not survivors(compiled.graphs, V)
+    compute = dtype or torch.bfloat16
+    x64, w64 = (t.detach().to(compute).double().requires_grad_() for t in (x, w))
+    want_loss, want_entropy = sft_loss_and_entropy(x64, w64, labels)
+    assert_close("loss", loss.double(), want_loss.detach(), VALUE_RTOL[compute], 1.0)
+    assert_close("entropy", entropy.double(), want_entropy.detach(), VALUE_RTOL[compute], 1.0)
+    assert (entropy[:, : T // 3] > 0).all()  # the ignored rows' entropy is eager's, not 0
+    got = torch.autograd.grad(loss.double() + 0.1 * entropy.double().sum(), (x, w))
+    want = torch.autograd.grad(want_loss + 0.1 * want_entropy.sum(), (x64, w64))
+    for name, g, expected in zip(("hidden", "classifier"), got, want):
+        assert_close(f"gradient of {name}", g.double(), expected, GRAD_RTOL[compute])
 
 
 def test_explain_names_the_rl_forms_and_counts_the_logits_at_their_dtype():
