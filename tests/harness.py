@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
+from unittest import mock
 
 import torch
 from oracle import COMPILED_VS_EAGER_RTOL, rel_error
 from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.utils import counters
+from torch._functorch.aot_autograd import make_boxed_func
 
 import cce_compile
 from cce_compile.passes import ddp_split, tracing
@@ -77,6 +79,35 @@ def hook_enabled() -> Iterator[None]:
         yield
     finally:
         inductor_config.pre_grad_custom_pass = before
+
+
+def _graph_run_eagerly(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    return make_boxed_func(gm.forward)
+
+
+@contextlib.contextmanager
+def inductor_without_codegen() -> Iterator[None]:
+    """Every Inductor compile in the block (backend "inductor" or "cce", enable()'s hook, a
+    Trainer's ``torch_compile``) runs as Inductor does up to its code generation: the pre-grad
+    hook, Inductor's decompositions, AOTAutograd and the joint-graph passes; then the forward
+    and backward graphs run as FX code instead of generated C++ (a tiny model's training step
+    compiles in ~4 s of CPU instead of ~37 s). For tests of the pass and its routes; the
+    tests of Inductor's code for the op compile for real. Inductor's caches are off: there is
+    no generated code to cache."""
+    from torch._inductor import compile_fx as compile_fx_module
+
+    real_compile_fx = compile_fx_module.compile_fx
+
+    def compile_fx(*args, **kwargs):
+        kwargs.setdefault("inner_compile", _graph_run_eagerly)
+        return real_compile_fx(*args, **kwargs)
+
+    with (
+        mock.patch.object(compile_fx_module, "compile_fx", compile_fx),
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        yield
 
 
 def _grad_leaves(fn, args, parameters) -> list[torch.Tensor]:
