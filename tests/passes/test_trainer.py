@@ -23,7 +23,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import hook_enabled
+from harness import hook_enabled, inductor_without_codegen
 from oracle import COMPILED_VS_EAGER_RTOL, rel_error
 from torch._dynamo.backends.debugging import aot_eager
 
@@ -95,15 +95,18 @@ def _check(losses, eager):
         assert abs(got - want) <= rtol * abs(want) + 1e-6, (losses, eager)
 
 
-@pytest.fixture
-def eager_losses(tmp_path):
-    return _train(hf_zoo.tiny("llama"), tmp_path / "eager")
+@pytest.fixture(scope="module")
+def eager_losses(tmp_path_factory):
+    return _train(hf_zoo.tiny("llama"), tmp_path_factory.mktemp("eager"))
 
 
+# Trainer's Inductor compiles run without Inductor's code generation (the routes and the losses
+# are under test; tests/test_backend.py and test_models.py compile the op with Inductor's code).
 @pytest.mark.slow
 def test_trainer_torch_compile_with_enable(tmp_path, eager_losses):
     torch._dynamo.reset()
-    with hook_enabled(), cce_compile.watch() as report:  # CCE_COMPILE=1, nothing else
+    with hook_enabled(), inductor_without_codegen(), cce_compile.watch() as report:
+        # CCE_COMPILE=1, nothing else
         losses = _train(hf_zoo.tiny("llama"), tmp_path / "compiled", torch_compile=True)
     assert len(report.rewritten) >= 1 and all(s.logits == "dropped" for s in report.rewritten)
     _check(losses, eager_losses)
@@ -114,7 +117,7 @@ def test_trainer_with_a_model_compiled_by_the_cce_backend(tmp_path, eager_losses
     torch._dynamo.reset()
     model = hf_zoo.tiny("llama")
     model.compile(backend="cce")
-    with cce_compile.watch() as report:
+    with inductor_without_codegen(), cce_compile.watch() as report:
         losses = _train(model, tmp_path / "compiled")
     assert len(report.rewritten) >= 1 and all(s.logits == "dropped" for s in report.rewritten)
     _check(losses, eager_losses)
@@ -133,7 +136,7 @@ def test_trainer_with_a_lora_model(tmp_path):
     """PEFT's usual route: a LoRA model handed to Trainer, as the other tests' model is."""
     eager = _train(_lora(), tmp_path / "eager")
     torch._dynamo.reset()
-    with hook_enabled(), cce_compile.watch() as report:
+    with hook_enabled(), inductor_without_codegen(), cce_compile.watch() as report:
         losses = _train(_lora(), tmp_path / "compiled", torch_compile=True)
     assert len(report.rewritten) >= 1 and all(s.logits == "dropped" for s in report.rewritten)
     _check(losses, eager)
