@@ -17,7 +17,7 @@ import contextlib
 
 import pytest
 import torch
-from harness import check, hook_enabled
+from harness import check, hook_enabled, inductor_without_codegen
 from oracle import COMPILED_VS_EAGER_RTOL, rel_error
 from torch._dynamo.utils import counters
 
@@ -99,7 +99,12 @@ def test_lora_training_is_fused_without_head_gradient(via, eager_run):
     graphs = []
     counters.clear()
     torch._dynamo.reset()
-    with hook_enabled() if via == "enable" else contextlib.nullcontext():
+    # Inductor's routes, without its code generation: the rewrite and the gradients are
+    # under test (tests/test_backend.py compiles the op with Inductor's code).
+    with (
+        hook_enabled() if via == "enable" else contextlib.nullcontext(),
+        inductor_without_codegen(),
+    ):
         compiled = torch.compile(hf_zoo.step(model), backend=_recording(graphs, via))
         losses, grads = _train(model, compiled)
 
