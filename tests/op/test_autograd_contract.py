@@ -175,30 +175,6 @@ def test_autograd_grad_leaves_grad_alone(run):
     _check("classifier", got[1], want[1], run.precision)
 
 
-def test_retained_second_backward(run):
-    hidden, classifier, targets = _leaves(run.precision)
-    # A compiled graph may donate its saved buffers to the backward; PyTorch's own error for
-    # retain_graph asks to turn that off, as any compiled graph needs. Its own cache must be
-    # fresh: Inductor's FX graph cache does not key on the donation (torch 2.11-2.13), so a
-    # backward compiled with donation (the other tests here) would be served to this graph
-    # and overwrite the saved buffer that the second backward reads.
-    donation = contextlib.ExitStack()
-    if run.compiled:
-        donation.enter_context(torch._functorch.config.patch(donated_buffer=False))
-        donation.enter_context(fresh_cache())
-    with donation:
-        loss = run.fresh()(hidden, classifier, targets)
-        first = torch.autograd.grad(loss, [hidden, classifier], retain_graph=True)
-        second = torch.autograd.grad(loss * 2.0, [hidden, classifier])
-    want = _oracle_grads(hidden, classifier, targets, run.precision)
-    for name, got, w in zip(("hidden", "classifier"), first, want):
-        _check(f"first {name}", got, w, run.precision)
-    for name, got, w in zip(("hidden", "classifier"), second, want):
-        _check(f"second {name}", got, 2 * w, run.precision)
-    # The first backward's gradients are not the second's buffers: still the first values.
-    _check("first classifier after the second", first[1], want[1], run.precision)
-
-
 def test_one_classifier_in_two_losses(run):
     hidden, classifier, targets = _leaves(run.precision)
     other_hidden, _, other_targets = _leaves(run.precision, seed=2)
@@ -235,6 +211,31 @@ def test_hook_on_the_classifier_sees_and_replaces_the_gradient(run):
     assert len(seen) == 1
     _check("seen by the hook", seen[0], want, run.precision)
     _check("classifier", classifier.grad, 2 * want, run.precision)
+
+
+def test_retained_second_backward(run):
+    # Last of the tests of ``run``: its fresh compiles empty the shared ones.
+    hidden, classifier, targets = _leaves(run.precision)
+    # A compiled graph may donate its saved buffers to the backward; PyTorch's own error for
+    # retain_graph asks to turn that off, as any compiled graph needs. Its own cache must be
+    # fresh: Inductor's FX graph cache does not key on the donation (torch 2.11-2.13), so a
+    # backward compiled with donation (the other tests here) would be served to this graph
+    # and overwrite the saved buffer that the second backward reads.
+    donation = contextlib.ExitStack()
+    if run.compiled:
+        donation.enter_context(torch._functorch.config.patch(donated_buffer=False))
+        donation.enter_context(fresh_cache())
+    with donation:
+        loss = run.fresh()(hidden, classifier, targets)
+        first = torch.autograd.grad(loss, [hidden, classifier], retain_graph=True)
+        second = torch.autograd.grad(loss * 2.0, [hidden, classifier])
+    want = _oracle_grads(hidden, classifier, targets, run.precision)
+    for name, got, w in zip(("hidden", "classifier"), first, want):
+        _check(f"first {name}", got, w, run.precision)
+    for name, got, w in zip(("hidden", "classifier"), second, want):
+        _check(f"second {name}", got, 2 * w, run.precision)
+    # The first backward's gradients are not the second's buffers: still the first values.
+    _check("first classifier after the second", first[1], want[1], run.precision)
 
 
 @pytest.mark.parametrize(
