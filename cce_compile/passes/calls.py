@@ -78,6 +78,7 @@ STACK = call({torch.stack}, (), ("input", "dim"))  # "input": the list of tensor
 CAT = call({torch.cat, torch.concat, torch.concatenate}, (), ("input", "dim"))
 # In-place scaling of a tensor by a factor: ``z.div_(T)``, ``z /= T`` (Dynamo's itruediv).
 DIV_ = call({operator.itruediv}, {"div_"}, ("input", "other"))
+SIZE = call({torch.ops.aten.sym_size.int}, {"size"}, ("input", "dim"))
 MUL_ = call({operator.imul}, {"mul_"}, ("input", "other"))
 
 

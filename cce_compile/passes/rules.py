@@ -24,6 +24,11 @@ Each rule is a function of one node, the last of its form; it rewrites through t
    range for ``gather``, which raises there).
 6. ``dummy_loss``: an entropy whose logits no cross-entropy reads gets one, of zero targets and
    unused, marked as such (``canonical.ENTROPY``): the site that carries its entropy.
+
+Before them, ``sizes_read``: a size read from a tensor (``z.size(0)``, ``z.size()[0]``,
+``z.shape[:-1]``'s parts, as TRL's ``entropy_from_logits`` reshapes its result) becomes the
+size itself, an int or the graph's node holding that SymInt, so that reading the logits' shape
+keeps no logits alive (under dynamic batch sizes it was an escaping use).
 """
 
 from __future__ import annotations
@@ -42,6 +47,41 @@ from .emit import Emitter
 from .journal import REPLACES, Journal
 
 
+def sizes_read(node: Node, journal: Journal) -> bool:
+    """``getitem(z.size(), i)`` or ``z.size(i)`` of a floating-point tensor ``z`` -> the size's
+    value: its int, or the node that holds its SymInt (``predicates.symint_holders``)."""
+    named = c.SIZE.args(node)
+    if named is not None and named.get("dim") is not None:
+        read, tensor = node, named["input"]
+    elif node.target is operator.getitem and isinstance(node.args[1], int):
+        whole = c.SIZE.args(node.args[0])
+        if whole is None or whole.get("dim") is not None:
+            return False
+        read, tensor = node, whole["input"]
+    else:
+        return False
+    value, source = p.example_value(read), p.tensor_value(tensor)
+    if source is None or not source.dtype.is_floating_point:
+        return False
+    if isinstance(value, torch.SymInt):
+        known = value.node.maybe_as_int()
+        value = known if known is not None else p.symint_holders(node.graph).get(
+            str(value.node.expr)
+        )
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, Node)):
+        return False
+    readers = {user: (user.args, user.kwargs) for user in read.users}
+    for user in readers:
+        user.replace_input_with(read, value)
+
+    def undo() -> None:
+        for user, (args, kwargs) in readers.items():
+            user.args, user.kwargs = args, kwargs
+
+    journal.record("size read", [tensor, read], [], undo)
+    return True
+
+
 def canonicalize(graph: Graph) -> Journal:
     """Apply the rules to ``graph`` (module docstring), each over the whole graph in turn;
     returns what they changed."""
@@ -52,7 +92,7 @@ def canonicalize(graph: Graph) -> Journal:
     return journal
 
 
-_STARTS = (c.LOG_SOFTMAX, c.SOFTMAX, c.LOGSUMEXP, c.GATHER, c.DIV_, c.MUL_)
+_STARTS = (c.LOG_SOFTMAX, c.SOFTMAX, c.LOGSUMEXP, c.GATHER, c.DIV_, c.MUL_, c.SIZE)
 
 
 def _might_match(node: Node) -> bool:
@@ -384,9 +424,18 @@ def dummy_loss(node: Node, journal: Journal) -> bool:
     return True
 
 
-RULES = (in_place_scale, piecewise.join_pieces, log_probs, entropy, lower_log_probs, dummy_loss)
+RULES = (
+    sizes_read,
+    in_place_scale,
+    piecewise.join_pieces,
+    log_probs,
+    entropy,
+    lower_log_probs,
+    dummy_loss,
+)
 # The last node of each rule's forms, by its spellings.
 _ENDS = {
+    "sizes_read": (c.SIZE, c.call({operator.getitem}, params=("input", "index"))),
     "in_place_scale": (c.DIV_, c.MUL_),
     "join_pieces": (c.STACK, c.CAT),
     "log_probs": (c.GATHER, c.SUB),

@@ -209,14 +209,34 @@ def _softcap(loss: Node, node: Node, walk: Walk) -> Node | Rejection | None:
         return None
     if walk.softcap is not None:
         return Rejection(loss, UNSUPPORTED_OP, "two softcaps")
-    if walk.scale_factors:
-        return Rejection(loss, UNSUPPORTED_OP, "logits scaled after the softcap")
     inner, walk.softcap, tanh_nodes = capped
     bad = safety.bad_constant("the softcap", walk.softcap, zero_ok=False)
     if bad is not None:  # c * tanh(x / c) with c = 0 or inf is no softcap the op has
         return Rejection(loss, UNSUPPORTED_OPTION, bad)
+    if walk.scale_factors:  # a temperature after the softcap (Gemma in RL): s c tanh(y / c)
+        after = _constant_product(walk.scale_factors)
+        if after is None or isinstance(walk.softcap, Node):
+            return Rejection(
+                loss, UNSUPPORTED_OP, "logits scaled after the softcap by a symbolic factor"
+            )
+        # = c' tanh(s y / c') with c' = s c: the cap takes the factor, and the factor stays
+        # among the scales, which multiply y as logit_scale.
+        bad = safety.bad_constant("the factor after the softcap", after, zero_ok=False)
+        if bad is not None:
+            return Rejection(loss, UNSUPPORTED_OPTION, f"logits scaled by a constant: {bad}")
+        walk.softcap = walk.softcap * after
     walk.chain.extend(tanh_nodes)
     return inner
+
+
+def _constant_product(factors: list[tuple[Any, bool]]) -> float | None:
+    """The product of (factor, divides) constants; None if one is symbolic."""
+    product = 1.0
+    for factor, divides in factors:
+        if isinstance(factor, Node) or p.scalar(factor) is None:
+            return None
+        product = product / float(factor) if divides else product * float(factor)
+    return product
 
 
 def _scale(loss: Node, node: Node, walk: Walk) -> Node | Rejection | None:

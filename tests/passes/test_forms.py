@@ -122,6 +122,8 @@ CHAINS = {
     "softcap": lambda z: torch.tanh(z / 4.0) * 4.0,
     "softcap-cap-first": lambda z: 4.0 * (z / 4.0).tanh(),
     "scale-then-softcap": lambda z: torch.tanh((z * 2.0) / 4.0) * 4.0,
+    # A temperature after the softcap: s c tanh(y / c) = c' tanh(s y / c'), c' = s c.
+    "softcap-then-scale": lambda z: torch.tanh(z / 4.0) * 4.0 / 0.7,
     "everything": lambda z: (torch.tanh((z * 0.7).float() / 3.0) * 3.0).contiguous().view(-1, V),
 }
 
@@ -429,10 +431,6 @@ NEGATIVE = {  # (returned logits: test_escaping_logits.py)
         "logits_escape",
     ),
     "cast-to-half": (lambda x, w, y: ce(F.linear(x, w).half(), y), "unsupported_op_in_chain"),
-    "scale-after-softcap": (
-        lambda x, w, y: ce(torch.tanh(F.linear(x, w) / 4) * 4 * 2, y),
-        "unsupported_op_in_chain",
-    ),
     "softcap-constants-differ": (
         lambda x, w, y: ce(torch.tanh(F.linear(x, w) / 4) * 5, y),
         "unsupported_op_in_chain",

@@ -57,8 +57,6 @@ class Model:
         rewrite. (Several apply to some models: the pass names the first it finds.)"""
         chain = (["view"] if self.head == "mm-flat" else []) + self.chain  # mm-flat reshapes
         reasons = set()
-        if "softcap" in chain and "scale" in chain[chain.index("softcap") :]:
-            reasons.add("unsupported_op_in_chain")  # scaled after the softcap
         if "slice" in chain and "view" in chain[: chain.index("slice")]:
             reasons.add("unsupported_op_in_chain")  # rows sliced after a reshape
         # Returned logits: fused, with a placeholder in their place, where the loss trains

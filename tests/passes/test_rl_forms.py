@@ -368,6 +368,44 @@ def test_dynamic_completion_lengths_fuse_without_recompiling():
     assert not outcome.recompiled
 
 
+def test_a_temperature_after_the_softcap_folds_into_the_cap():
+    """Gemma's final-logit softcap in the model, the trainer's temperature after it: s c
+    tanh(y / c) = c' tanh(s y / c') with c' = s c, fused (it was refused as 'scaled after the
+    softcap')."""
+
+    def gemma_rl(x, w, ids):
+        z = 3.0 * torch.tanh(F.linear(x, w) / 3.0) / TEMPERATURE
+        return trl_log_probs(z, ids), verl_entropy(z)
+
+    x, (w,), ids, _ = make_inputs(torch.float32, ["one"], seed=2)
+    with torch.no_grad():
+        w.mul_(4.0)  # logits past the cap's knee
+    outcome = check(gemma_rl, (x, w, ids), backward_all=True)
+    assert outcome.rewritten == 1 and outcome.skipped == {} and outcome.has_op, outcome
+
+
+def test_a_new_batch_size_recompiles_fused():
+    """A recompile for a new batch size (a last partial batch, dynamic micro-batches) makes the
+    batch symbolic: TRL's entropy reshapes its result by ``logits.shape[:-1]``, a read of the
+    logits' sizes that must not keep them alive (it left the recompiled graph unfused)."""
+
+    def step(x, w, ids):
+        logits = F.linear(x, w)[:, :-1, :] / TEMPERATURE
+        return trl_log_probs(logits, ids[:, 1:]), trl_entropy(logits)
+
+    def make(batch, seed):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(batch, T, D, generator=gen, requires_grad=True)
+        w = (torch.randn(V, D, generator=gen) / D**0.5).requires_grad_()
+        return x, w, torch.randint(0, V, (batch, T), generator=gen)
+
+    outcome = check(step, make(2, 0), dynamic=True, backward_all=True, extra_calls=[make(3, 1)])
+    assert outcome.skipped == {} and outcome.has_op, outcome
+    computing = [g for g in outcome.graphs if any(n.op == "call_function" for n in g.graph.nodes)]
+    assert outcome.recompiled and len(computing) == outcome.rewritten == 2  # both compiles fused
+    assert all(OP in [n.target for n in g.graph.nodes] for g in computing)
+
+
 def test_the_rewritten_graph_keeps_no_dead_node():
     """Hugging Face's shifted labels: ``labels[..., 1:].contiguous().view(-1)`` fed only the
     loss; the op reads the labels themselves, and their views go with the loss."""

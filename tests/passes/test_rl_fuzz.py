@@ -50,8 +50,6 @@ class Step:
         if self.hazard == "entropy-before-temperature":
             if self.temperature != "none" or self.slice == "verl":  # two sets of logits
                 reasons.add("logits_escape")
-        if self.log_probs == "cross_entropy" and self.entropy != "none":
-            reasons.add("logits_escape")  # the op's entropy at ignore_index rows
         return reasons
 
     def __call__(self, x, w, ids):
