@@ -132,10 +132,18 @@ def _check_per_class(name: str, value, classes: int, which: str) -> None:
         raise ValueError(f"{name} must be {which}of shape ({classes},), got {tuple(value.shape)}")
 
 
-def compute_dtype(hidden: Tensor, classifier: Tensor, bias: Tensor | None) -> torch.dtype | None:
-    """The dtype an enclosing autocast region gives ``F.linear`` on hidden's device (the op
-    rounds its inputs to it, as autocast would), or None; without autocast the head's dtypes
-    must agree."""
+def compute_dtype(
+    hidden: Tensor, classifier: Tensor, bias: Tensor | None, requested: torch.dtype | None = None
+) -> torch.dtype | None:
+    """The dtype the op rounds its inputs to, as autocast would: ``requested`` (a caller's
+    ``compute_dtype``), else the one an enclosing autocast region gives ``F.linear`` on
+    hidden's device, else None, and then the head's dtypes must agree."""
+    if requested is not None:
+        if requested not in FLOAT_DTYPES:
+            raise TypeError(
+                f"compute_dtype must be torch.float32, bfloat16 or float16, got {requested!r}"
+            )
+        return requested
     device = hidden.device.type
     if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)

@@ -63,6 +63,7 @@ def linear_cross_entropy(
     return_argmax: bool = False,
     return_log_sum_sq_probs: bool = False,
     return_mean_logits: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """Cross-entropy of ``hidden @ classifier.T (+ bias)`` against ``targets``, no logits stored.
 
@@ -106,6 +107,12 @@ def linear_cross_entropy(
             gradient; WPO's weight); 0 at ignored rows. Lean mode only.
         return_mean_logits: also return each row's mean logit sum_j z_j / V (float32, no
             gradient; DPO's and KTO's logged metric); 0 at ignored rows. Lean mode only.
+        compute_dtype: the GEMMs' dtype, instead of autocast's (float32, bfloat16 or
+            float16): hidden, classifier and bias are rounded to it as autocast rounds them, a
+            slab of classes at a time on the GPU (no V x D copy), and their gradients come back
+            in their own dtypes; e.g. float32 math for a bf16 head (TRL's
+            ``cast_lm_head_to_fp32``). None: autocast's, else the operands' own, which must
+            then agree.
         mode: 'lean', 'fast' or 'auto'; None takes the configured mode (CCE_MODE).
         grad_filter: gradient filtering (filtering.py; lean mode): each row may drop the
             softmax term of its lightest blocks of 256 classes up to this much probability
@@ -130,7 +137,7 @@ def linear_cross_entropy(
         return_mean_logits=return_mean_logits,
     )
     tensors = (hidden, classifier, targets, bias, class_weights)
-    return _loss(tensors, spec, (logit_scale, softcap), wanted, mode, grad_filter)
+    return _loss(tensors, spec, (logit_scale, softcap), wanted, mode, grad_filter, compute_dtype)
 
 
 def linear_log_probs(
@@ -146,6 +153,7 @@ def linear_log_probs(
     shift: int = 0,
     return_entropy: bool = False,
     mode: str | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Per-token log-probabilities of ``targets`` (and the entropy), no logits stored: what RL
     and preference training take from a policy, an old policy or a reference model.
@@ -160,7 +168,7 @@ def linear_log_probs(
     the op's scale and cap: softcap_c(s y) / T = softcap_{c/T}(s y / T)).
 
     Args:
-        hidden, classifier, targets, bias, ignore_index, shift, mode: as in
+        hidden, classifier, targets, bias, ignore_index, shift, mode, compute_dtype: as in
             ``linear_cross_entropy``.
         temperature: a finite number > 0.
         return_entropy: also return each token's entropy, differentiable (an entropy bonus).
@@ -186,6 +194,7 @@ def linear_log_probs(
         shift=shift,
         return_entropy=return_entropy,
         mode=mode,
+        compute_dtype=compute_dtype,
     )
     if not return_entropy:
         return -outputs
@@ -193,13 +202,14 @@ def linear_log_probs(
     return -loss, entropy
 
 
-def _loss(tensors, spec: LossSpec, scalars, wanted: _Wanted, mode, grad_filter):
+def _loss(tensors, spec: LossSpec, scalars, wanted: _Wanted, mode, grad_filter, dtype=None):
     """The loss and the outputs ``wanted``, from the op, or from the autograd fallback where
-    the op's formula cannot serve the call; ``scalars``: (logit_scale, softcap) as given."""
+    the op's formula cannot serve the call; ``scalars``: (logit_scale, softcap) as given;
+    ``dtype``: the compute dtype asked for (None: autocast's or the operands')."""
     hidden, classifier, targets, bias, class_weights = tensors
     decide.check_mode(mode)
     grad_filter = decide.grad_filter(grad_filter, mode, spec)
-    compute_dtype = decide.compute_dtype(hidden, classifier, bias)
+    compute_dtype = decide.compute_dtype(hidden, classifier, bias, requested=dtype)
     hidden3, targets2, rows_shape = decide.canonical_form(hidden, targets, spec.shift)
     canonical = (hidden3, classifier, targets2, bias, class_weights)
     route = decide.route(tensors, *scalars)  # targets too: vmap over the targets alone

@@ -84,3 +84,25 @@ def test_a_row_gets_the_same_bits_whatever_the_batch_it_comes_in():
     whole = cce_compile.linear_log_probs(case.hidden, case.classifier, case.targets)
     few = cce_compile.linear_log_probs(case.hidden[:, :17], case.classifier, case.targets[:, :17])
     assert torch.equal(few, whole[:, :17])
+
+
+def test_compute_dtype_gives_float32_math_for_a_bf16_head():
+    """TRL's ``cast_lm_head_to_fp32``: a float32 hidden beside a bf16 head, computed in
+    float32 with no float32 copy of the head for the caller to make; the head's gradient comes
+    back in bf16. Without ``compute_dtype`` (and outside autocast) the dtypes must agree."""
+    case = build_case(leading=(2, 9), dim=16, vocab=37, seed=8, ignored_fraction=0.2)
+    head = case.classifier.bfloat16().requires_grad_()
+    hidden = case.hidden.requires_grad_()
+    with pytest.raises(TypeError, match="must match hidden dtype"):
+        cce_compile.linear_log_probs(hidden, head, case.targets)
+    got = cce_compile.linear_log_probs(
+        hidden, head, case.targets, temperature=0.8, compute_dtype=torch.float32
+    )
+    case.classifier = head.detach().float()  # the head's values, in float32
+    want, _ = _reference(case, 0.8)
+    assert got.dtype == torch.float32
+    assert_close("log_probs", got, want, 2e-5, want.abs().max().item())
+    (grad,) = torch.autograd.grad(got.sum(), head)
+    assert grad.dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="compute_dtype must be"):
+        cce_compile.linear_log_probs(hidden, head, case.targets, compute_dtype=torch.int32)

@@ -199,11 +199,11 @@ def _serve(hidden, weight, bias, targets, temperature, softcap, logit_scale, out
     # with s = logit_scale / T and c = softcap / T they are the same.
     scale = float(logit_scale) / float(temperature)
     cap = None if softcap is None else float(softcap) / float(temperature)
-    if not torch.is_autocast_enabled(hidden.device.type):
-        # Without autocast TRL computes in hidden's dtype (cast_lm_head_to_fp32 gives a float32
-        # hidden beside a bf16 head): so does the op, with gradients in the head's own dtype.
-        weight = weight.to(hidden.dtype)
-        bias = None if bias is None else bias.to(hidden.dtype)
+    # Without autocast TRL computes in hidden's dtype (cast_lm_head_to_fp32 gives a float32
+    # hidden beside a bf16 head): so does the op, rounding the head a slab at a time (no
+    # V x D float32 copy), with gradients in the head's own dtype.
+    autocast = torch.is_autocast_enabled(hidden.device.type)
+    compute_dtype = None if autocast or weight.dtype == hidden.dtype else hidden.dtype
     wanted = {_OP_METRIC[name] for name in outputs if name in _OP_METRIC}
     asked = [name for name in _OP_ORDER if name in wanted]
     result = linear_cross_entropy(
@@ -216,6 +216,7 @@ def _serve(hidden, weight, bias, targets, temperature, softcap, logit_scale, out
         softcap=cap,
         # Lean, whatever CCE_MODE says: one forward for the grad and the no-grad calls.
         mode="lean",
+        compute_dtype=compute_dtype,
         **{f"return_{name}": True for name in asked},
     )
     # (a bare tensor when no metric is asked for: a reference model's log-probs)
