@@ -19,16 +19,20 @@ Each rule is a function of one node, the last of its form; it rewrites through t
    (TRL), ``-(softmax(z) * log_softmax(z)).sum(-1)``, ``logsumexp(z) - (softmax(z) * z).sum(-1)``
    (verl, OpenRLHF); either operand order.
 5. ``lower_log_probs``: ``token_log_probs(z, ids)`` ->
-   ``-F.cross_entropy(z.flatten(0, -2), ids.flatten(), reduction="none").view_as(ids)``: the same
-   values wherever eager's ``gather`` has them (ids in range; the ignore_index, -100, is out of
-   range for ``gather``, which raises there).
+   ``-F.cross_entropy(z.flatten(0, -2), ids.flatten(), reduction="none",
+   ignore_index=NO_ID).view_as(ids)``: eager's values wherever its ``gather`` has them. No id
+   equals ``NO_ID`` (int64's least), so an id out of range (-100 included) is out of range for
+   the op too: an error on the CPU, as ``gather``'s, and NaN on a GPU, never a plausible 0.
 6. ``dummy_loss``: an entropy whose logits no cross-entropy reads gets one, of zero targets and
    unused, marked as such (``canonical.ENTROPY``): the site that carries its entropy.
 
 Before them, ``sizes_read``: a size read from a tensor (``z.size(0)``, ``z.size()[0]``,
 ``z.shape[:-1]``'s parts, as TRL's ``entropy_from_logits`` reshapes its result) becomes the
 size itself, an int or the graph's node holding that SymInt, so that reading the logits' shape
-keeps no logits alive (under dynamic batch sizes it was an escaping use).
+keeps no logits alive (under dynamic batch sizes it was an escaping use). After the in-place
+temperature, ``one_scaling``: the same constant scaling of one tensor written twice (TRL's
+``selective_log_softmax(z, ids, temperature=T)`` beside ``entropy_from_logits(z / T)``) is one
+node, so that both read the same logits.
 """
 
 from __future__ import annotations
@@ -79,6 +83,38 @@ def sizes_read(node: Node, journal: Journal) -> bool:
             user.args, user.kwargs = args, kwargs
 
     journal.record("size read", [tensor, read], [], undo)
+    return True
+
+
+def one_scaling(node: Node, journal: Journal) -> bool:
+    """``z / c`` (or ``z * c``) where an earlier node computes the same of the same ``z`` and
+    constant ``c``: its uses read the earlier node."""
+    spelling = next((s for s in (c.DIV, c.MUL) if s.args(node) is not None), None)
+    if spelling is None:
+        return False
+    named = spelling.args(node)
+    z, factor = named["input"], named.get("other")
+    if p.tensor_value(z) is None or isinstance(factor, Node) or p.scalar(factor) is None:
+        return False
+    order = safety.node_order(node.graph)
+    same = [
+        other
+        for other in z.users
+        if other is not node
+        and order[other] < order[node]
+        and spelling.args(other) == named
+        and (other.target, other.kwargs) == (node.target, node.kwargs)
+    ]
+    if not same:
+        return False
+    readers = {user: (user.args, user.kwargs) for user in node.users}
+    node.replace_all_uses_with(same[0])
+
+    def undo() -> None:
+        for user, (args, kwargs) in readers.items():
+            user.args, user.kwargs = args, kwargs
+
+    journal.record("one scaling", [z, node, same[0]], [], undo)
     return True
 
 
@@ -382,6 +418,10 @@ def _factors(node: Any) -> tuple[Node, Node] | None:
 # --- 5, 6. lowering -----------------------------------------------------------------------
 
 
+# The lowered log-probs' ignore_index: no id holds it (``gather`` ignores no id).
+NO_ID = -(2**63)
+
+
 def lower_log_probs(node: Node, journal: Journal) -> bool:
     """``token_log_probs(z, ids)`` -> ``-cross_entropy(z.flatten(0, -2), ids.flatten(),
     reduction="none").view_as(ids)``, the cross-entropy marked as log-probs."""
@@ -391,7 +431,7 @@ def lower_log_probs(node: Node, journal: Journal) -> bool:
     emit = Emitter(node.graph, node)
     rows = emit.method("flatten", z, 0, -2)
     targets = emit.method("flatten", ids)
-    loss = emit(F.cross_entropy, rows, targets, reduction="none")
+    loss = emit(F.cross_entropy, rows, targets, reduction="none", ignore_index=NO_ID)
     loss.meta[canonical.FORM] = canonical.LOG_PROBS
     negated = emit(operator.neg, loss)
     shaped = emit.method("view_as", negated, ids)
@@ -427,6 +467,7 @@ def dummy_loss(node: Node, journal: Journal) -> bool:
 RULES = (
     sizes_read,
     in_place_scale,
+    one_scaling,
     piecewise.join_pieces,
     log_probs,
     entropy,
@@ -436,6 +477,7 @@ RULES = (
 # The last node of each rule's forms, by its spellings.
 _ENDS = {
     "sizes_read": (c.SIZE, c.call({operator.getitem}, params=("input", "index"))),
+    "one_scaling": (c.DIV, c.MUL),
     "in_place_scale": (c.DIV_, c.MUL_),
     "join_pieces": (c.STACK, c.CAT),
     "log_probs": (c.GATHER, c.SUB),

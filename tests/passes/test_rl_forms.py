@@ -384,6 +384,37 @@ def test_a_temperature_after_the_softcap_folds_into_the_cap():
     assert outcome.rewritten == 1 and outcome.skipped == {} and outcome.has_op, outcome
 
 
+def test_one_temperature_written_twice_is_one_scaling():
+    """TRL's API divides inside ``selective_log_softmax(z, ids, temperature=T)`` while the
+    entropy is taken of ``z / T`` outside: two equal divisions of one head's logits are one
+    set of logits, fused in one call (each escaped the other before)."""
+
+    def step(x, w, ids):
+        z = F.linear(x, w)
+        return trl_log_probs(z / TEMPERATURE, ids), trl_entropy(z / TEMPERATURE)
+
+    x, (w,), ids, _ = make_inputs(torch.float32, ["one"], seed=3)
+    outcome = check(step, (x, w, ids), backward_all=True)
+    assert outcome.rewritten == 1 and outcome.skipped == {} and outcome.has_op, outcome
+
+
+def test_a_gathered_id_out_of_range_is_an_error_as_in_eager():
+    """``gather`` raises on an id outside [0, V) (-100 included); the fused log-probs ignore
+    no id, so the op's target check raises too, rather than give log-prob 0."""
+    x, (w,), ids, _ = make_inputs(torch.float32, ["one"], seed=4)
+    ids[0, 1] = -100
+    with pytest.raises(RuntimeError):
+        log_softmax_gather(x, w, ids)
+    compiled = torch.compile(log_softmax_gather, backend=_cce_eager)
+    with pytest.raises(IndexError, match="Target -100 is out of bounds"):
+        compiled(x, w, ids)
+
+
+def _cce_eager(gm, example_inputs):
+    run_on_module(gm)
+    return aot_eager(gm, example_inputs)
+
+
 def test_a_new_batch_size_recompiles_fused():
     """A recompile for a new batch size (a last partial batch, dynamic micro-batches) makes the
     batch symbolic: TRL's entropy reshapes its result by ``logits.shape[:-1]``, a read of the
