@@ -182,6 +182,11 @@ def linear_log_probs(
         raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
     if not 0.0 < temperature < math.inf:
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    if mode == "fast":
+        raise ValueError(
+            "mode='fast' computes gradients in the forward for a scalar loss; per-token "
+            "log-probs get theirs only in the backward: use mode='lean' or 'auto' (None)"
+        )
     outputs = linear_cross_entropy(
         hidden,
         classifier,
@@ -268,8 +273,8 @@ def _fallback(tensors, compute_dtype, spec: LossSpec, scalars, wanted: _Wanted, 
     if wanted.metrics:
         flags = ", ".join(row_metrics.BY_NAME[name].flag for name in wanted.metrics)
         raise NotImplementedError(
-            f"{flags} not served under {route}: call linear_cross_entropy without them there, "
-            "or compute the metrics outside it"
+            f"{flags} not served under {route}: leave them out there, or compute the metrics "
+            "outside the transform"
         )
     _say_once(route)
     hidden, classifier, targets, bias, class_weights = tensors

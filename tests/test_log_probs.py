@@ -106,3 +106,9 @@ def test_compute_dtype_gives_float32_math_for_a_bf16_head():
     assert grad.dtype == torch.bfloat16
     with pytest.raises(TypeError, match="compute_dtype must be"):
         cce_compile.linear_log_probs(hidden, head, case.targets, compute_dtype=torch.int32)
+
+
+def test_fast_mode_is_refused_in_the_log_probs_terms():
+    case = build_case(leading=(2, 3), dim=4, vocab=5)
+    with pytest.raises(ValueError, match="per-token log-probs get theirs only in the backward"):
+        cce_compile.linear_log_probs(case.hidden, case.classifier, case.targets, mode="fast")
