@@ -185,9 +185,9 @@ def escape_detail(
     escaping: list[Node], inside: list[Node], policy: str, training: bool, returned: bool
 ) -> str:
     """Who else uses the logits, and the setting that would fuse the loss anyway."""
-    users = sorted(user_name(u) for u in outside_users(escaping, inside))
+    users = sorted(_named(u) for u in outside_users(escaping, inside))
     what = "returned by the graph" if returned else f"also used by {', '.join(users)}"
-    if not training:
+    if not training and returned:  # (what drop keeps: other uses keep the logits in any graph)
         return (
             f"the logits are {what} and the loss needs no gradient (an evaluation or "
             "generation graph): its logits are kept; CCE_ESCAPING_LOGITS=rewrite fuses its "
@@ -206,6 +206,28 @@ def escape_detail(
             "them"
         )
     return f"the logits are {what}; CCE_ESCAPING_LOGITS=rewrite fuses the loss and keeps them"
+
+
+def _named(user: Node) -> str:
+    """The user's name, and what it is where that says why the logits escape: an entropy this
+    site's op does not serve (it serves only the entropy of the rows it computes, at their
+    scaling), or rows of them another cross-entropy reads."""
+    _, end = _through_casts(user, row_views=True)
+    if entropy_input(end) is not None:
+        return (
+            f"{user_name(end)} (an entropy of other rows or another scaling of the logits than "
+            "this site's: the op serves only the entropy of the rows it computes; take it of "
+            "the same rows, e.g. z[:, :-1] beside a shifted loss, to fuse both in one call)"
+        )
+    node = user
+    while p.row_index(node) is not None or p.is_row_view(node) or p.is_passthrough(node):
+        users = safety.live_users(node)
+        if len(users) != 1:
+            break
+        node = users[0]
+    if p.is_cross_entropy(node) and node is not user:
+        return f"{user_name(user)} (the rows the cross-entropy {user_name(node)} reads)"
+    return user_name(user)
 
 
 def quiet(policy: str, training: bool) -> bool:

@@ -313,7 +313,12 @@ def _escape(found: _Candidate) -> Rejection | list[Node]:
     if not escaping or policy == "rewrite":
         return []
     logits = [found.walk.head, *found.walk.chain]
-    forms = escapes.returned_forms(escaping, logits, found.inside)
+    # The users the op serves (an entropy, a z-loss's logsumexp) are the site's own: returned
+    # logits are dropped beside them as beside the loss alone.
+    users = found.users
+    served = [*users.lse_users, *users.side_nodes, *users.entropy_users, *users.entropy_side_nodes]
+    inside = [*found.inside, *served]
+    forms = escapes.returned_forms(escaping, logits, inside)
     training = safety.requires_grad(found.loss)
     droppable = (
         forms is not None
@@ -322,7 +327,7 @@ def _escape(found: _Candidate) -> Rejection | list[Node]:
     )
     if policy == "drop" and droppable:
         return forms
-    detail = escapes.escape_detail(escaping, found.inside, policy, training, forms is not None)
+    detail = escapes.escape_detail(escaping, inside, policy, training, forms is not None)
     detail = "; ".join([detail, *found.notes])
     return Rejection(found.loss, ESCAPES, detail, quiet=escapes.quiet(policy, training))
 

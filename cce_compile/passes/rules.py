@@ -9,15 +9,22 @@ Each rule is a function of one node, the last of its form; it rewrites through t
    read by every later use of ``z``; left in place, with the reason on the node, where another
    view of ``z`` is read after the write or ``z`` is the caller's tensor.
 2. ``piecewise.join_pieces``: a loop over rows or chunks (``stack`` / ``cat`` of the same
-   row-wise function of pieces that cover a tensor) -> that function of the whole tensor.
+   row-wise function of pieces that cover a tensor) -> that function of the whole tensor;
+   ``categorical.broadcast_value``: ``Categorical.log_prob``'s ``broadcast_tensors`` of the ids
+   and the log-probs, where it changes neither, -> its operands.
 3. ``log_probs`` -> ``cce::token_log_probs(z, ids)``:
-   ``F.log_softmax(z, -1).gather(-1, ids[..., None])``,
+   ``F.log_softmax(z, -1).gather(-1, ids[..., None])`` (the log-softmax also as Categorical
+   writes it, ``z - z.logsumexp(-1, keepdim=True)``),
    ``z.gather(-1, ids[..., None]) - z.logsumexp(-1, keepdim=True)`` (or its ``unsqueeze``),
-   ``z.gather(-1, ids[..., None]).squeeze(-1) - z.logsumexp(-1)`` (the logsumexp may be
-   taken on a row view of ``z``: OpenRLHF's ``z.reshape(-1, V)`` then ``.view(*batch)``).
+   ``z.gather(-1, ids[..., None]).squeeze(-1) - z.logsumexp(-1)`` (the squeeze also as
+   ``[..., 0]``; the logsumexp may be taken on a row view of ``z``: OpenRLHF's
+   ``z.reshape(-1, V)`` then ``.view(*batch)``); ``logsumexp - gather``, the negative
+   log-prob, -> ``-token_log_probs``.
 4. ``entropy`` -> ``cce::softmax_entropy(z)``: ``-(exp(log_softmax(z)) * log_softmax(z)).sum(-1)``
    (TRL), ``-(softmax(z) * log_softmax(z)).sum(-1)``, ``logsumexp(z) - (softmax(z) * z).sum(-1)``
-   (verl, OpenRLHF); either operand order.
+   (verl, OpenRLHF); either operand order; Categorical's ``-(clamp(lp, min=finfo.min) *
+   softmax(lp)).sum(-1)``; the sum without its minus (the negative entropy) ->
+   ``-softmax_entropy(z)``; with ``keepdim=True`` -> ``softmax_entropy(z).unsqueeze(-1)``.
 5. ``lower_log_probs``: ``token_log_probs(z, ids)`` ->
    ``-F.cross_entropy(z.flatten(0, -2), ids.flatten(), reduction="none",
    ignore_index=NO_ID).view_as(ids)``: eager's values wherever its ``gather`` has them. No id
@@ -45,7 +52,7 @@ import torch.nn.functional as F
 from torch.fx import Graph, Node
 
 from . import calls as c
-from . import canonical, piecewise, safety
+from . import canonical, categorical, piecewise, safety
 from . import predicates as p
 from .emit import Emitter
 from .journal import REPLACES, Journal
@@ -222,11 +229,12 @@ def _kept_in_place(write: Node, z: Node, factor: Any) -> str | None:
 
 
 def log_probs(node: Node, journal: Journal) -> bool:
-    """The log-prob forms (module docstring, 3.) -> ``cce::token_log_probs``."""
+    """The log-prob forms (module docstring, 3.) -> ``cce::token_log_probs``; the negative
+    log-prob, ``logsumexp - gather``, -> its negation."""
     found = _log_softmax_gather(node) or _gather_minus_logsumexp(node)
     if found is None:
         return False
-    z, index, keeps_dim, matched = found
+    z, index, keeps_dim, negated, matched = found
     old = node
     users = list(node.users)
     if keeps_dim and len(users) == 1 and _squeezes_last(users[0]):
@@ -239,6 +247,8 @@ def log_probs(node: Node, journal: Journal) -> bool:
     new = _made(created, emit(canonical.TOKEN_LOG_PROBS, z, ids))
     if keeps_dim:
         new = _made(created, emit.method("unsqueeze", new, -1))
+    if negated:
+        new = _made(created, emit(operator.neg, new))
     if p.tensor_value(new).dtype != p.tensor_value(old).dtype:
         journal.erase(created)
         return False
@@ -252,24 +262,47 @@ def _made(created: list[Node], node: Node) -> Node:
 
 
 def _log_softmax_gather(node: Node) -> tuple | None:
-    """(z, index, True, matched) for ``log_softmax(z, -1).gather(-1, index)``."""
+    """(z, index, True, False, matched) for ``log_softmax(z, -1).gather(-1, index)`` (also
+    Categorical's ``z - z.logsumexp(-1, keepdim=True)``)."""
     gathered = _gather(node)
     if gathered is None:
         return None
     log_softmax, index = gathered
-    z = c.over_last_dim(c.LOG_SOFTMAX, log_softmax)
-    if z is None or not _indexes(index, z):
+    found = _log_softmax_nodes(log_softmax)
+    if found is None or not _indexes(index, found[0]):
         return None
-    return z, index, True, [log_softmax, z, index]
+    z, nodes = found
+    return z, index, True, False, [*nodes, z, index]
+
+
+def _log_softmax_nodes(node: Any) -> tuple[Node, list[Node]] | None:
+    """(z, the form's nodes) for ``log_softmax(z, -1)`` or ``z - z.logsumexp(-1,
+    keepdim=True)``."""
+    z = c.over_last_dim(c.LOG_SOFTMAX, node)
+    if z is not None:
+        return z, [node]
+    z = categorical.normalized_logits(node)
+    return None if z is None else (z, [node, node.args[1]])
 
 
 def _gather_minus_logsumexp(node: Node) -> tuple | None:
-    """(z, index, keeps_dim, matched) for ``gather(z, -1, index) - logsumexp`` over the same
-    rows: keepdim / unsqueezed (keeps_dim), or both squeezed."""
+    """(z, index, keeps_dim, negated, matched) for ``gather(z, -1, index) - logsumexp`` over
+    the same rows: keepdim / unsqueezed (keeps_dim), or both squeezed; or for ``logsumexp -
+    gather(...)``, the negative log-prob (negated)."""
     named = c.SUB.args(node)
     if named is None or len(named) != 2:
         return None
-    picked, lse = named["input"], named["other"]
+    for picked, lse in ((named["input"], named["other"]), (named["other"], named["input"])):
+        found = _picked_and_logsumexp(picked, lse)
+        if found is not None:
+            z, index, keeps_dim, matched = found
+            return z, index, keeps_dim, picked is named["other"], matched
+    return None
+
+
+def _picked_and_logsumexp(picked: Any, lse: Any) -> tuple | None:
+    """(z, index, keeps_dim, matched) for ``picked`` a gather of z over the last dim and
+    ``lse`` the logsumexp of the same rows, alike in shape."""
     keeps_dim = not _squeezes_last(picked)
     gathered = _gather(picked if keeps_dim else picked.args[0])
     if gathered is None:
@@ -321,8 +354,17 @@ def _logsumexp_rows(node: Any, keepdim: bool) -> list[Node] | None:
 
 
 def _squeezes_last(node: Any) -> bool:
+    """``x.squeeze(-1)``, or ``x[..., 0]`` of an x whose last dim is 1."""
     named = c.SQUEEZE.args(node)
-    return named is not None and c.last_dim(named.get("dim"), named["input"])
+    if named is not None:
+        return c.last_dim(named.get("dim"), named["input"])
+    if not p.is_call(node, {operator.getitem}) or not isinstance(node.args[1], tuple):
+        return False
+    value, index = p.tensor_value(node.args[0]), node.args[1]
+    first = len(index) == 2 and index[0] is Ellipsis and type(index[1]) is int
+    if not first or index[1] not in (0, -1) or value is None or value.dim() == 0:
+        return False
+    return p.same_size(value.shape[-1], 1)
 
 
 def _unsqueezed_source(index: Node) -> Node | None:
@@ -356,43 +398,74 @@ def _root(node: Any) -> Any:
 
 
 def entropy(node: Node, journal: Journal) -> bool:
-    """The entropy forms (module docstring, 4.) -> ``cce::softmax_entropy``."""
-    found = _negated_sum_p_log_p(node) or _logsumexp_minus_expected_logit(node)
+    """The entropy forms (module docstring, 4.) -> ``cce::softmax_entropy``: the negative
+    entropy, ``(p * log p).sum(-1)`` added with a plus sign, -> its negation; a sum with
+    ``keepdim=True`` -> the entropy unsqueezed."""
+    found = _sum_p_log_p(node) or _logsumexp_minus_expected_logit(node)
     if found is None:
         return False
-    z, matched = found
+    z, matched, keeps_dim, negated = found
     emit = Emitter(node.graph, node)
-    new = emit(canonical.SOFTMAX_ENTROPY, z)
-    if p.tensor_value(new).dtype != p.tensor_value(node).dtype:
-        journal.erase([new])
+    created = [emit(canonical.SOFTMAX_ENTROPY, z)]
+    if keeps_dim:
+        created.append(emit.method("unsqueeze", created[-1], -1))
+    if negated:
+        created.append(emit(operator.neg, created[-1]))
+    if p.tensor_value(created[-1]).dtype != p.tensor_value(node).dtype:
+        journal.erase(created)
         return False
-    journal.replaced("entropy", node, new, [z, *matched], [new])
+    journal.replaced("entropy", node, created[-1], [z, *matched], created)
     return True
 
 
-def _negated_sum_p_log_p(node: Node) -> tuple[Node, list[Node]] | None:
-    """(z, matched) for ``-(P * log_softmax(z)).sum(-1)``, P ``exp(log_softmax(z))`` or
-    ``softmax(z)``."""
+def _sum_p_log_p(node: Node) -> tuple | None:
+    """(z, matched, keeps_dim, negated) for ``-(P * L).sum(-1)`` (or ``(P * L).sum(-1)``:
+    negated), ``keepdim=True`` or not; L ``log_softmax(z)`` (or Categorical's, clamped at the
+    least float), P ``exp(L)`` or ``softmax(z)`` (or ``softmax(L)``)."""
     named = c.NEG.args(node)
-    if named is None:
-        return None
-    total = named["input"]
-    product = c.over_last_dim(c.SUM, total)
-    factors = _factors(product)
-    if factors is None:
+    total, negated = (named["input"], False) if named is not None else (node, True)
+    users = safety.live_users(node)
+    if negated and len(users) == 1 and c.NEG.args(users[0]) is not None:
+        return None  # -(sum): the negation's own match
+    for keeps_dim in (False, True):
+        product = c.over_last_dim(c.SUM, total, keepdim=keeps_dim)
+        factors = _factors(product)
+        if factors is not None:
+            break
+    else:
         return None
     for probs, log_probs_node in (factors, factors[::-1]):
-        z = c.over_last_dim(c.LOG_SOFTMAX, log_probs_node)
-        exponent = c.EXP.args(probs)
-        source = c.over_last_dim(c.LOG_SOFTMAX, exponent["input"]) if exponent else None
-        source = source or c.over_last_dim(c.SOFTMAX, probs)
-        if z is not None and source is z:
-            return z, [total, product, probs, log_probs_node]
+        found = _log_softmax_nodes(categorical.unclamped(log_probs_node))
+        if found is None:
+            continue
+        z, nodes = found
+        source = _probs_source(probs)
+        if source is not None and _logits_of(source) is _logits_of(z):
+            matched = [total, product, probs, log_probs_node, *nodes, *probs.all_input_nodes]
+            return _logits_of(z), matched, keeps_dim, negated
     return None
 
 
-def _logsumexp_minus_expected_logit(node: Node) -> tuple[Node, list[Node]] | None:
-    """(z, matched) for ``logsumexp(z, -1) - (softmax(z) * z).sum(-1)``."""
+def _probs_source(probs: Node) -> Node | None:
+    """x for ``exp(log_softmax(x))`` or ``softmax(x)``."""
+    exponent = c.EXP.args(probs)
+    if exponent is None:
+        return c.over_last_dim(c.SOFTMAX, probs)
+    found = _log_softmax_nodes(exponent["input"])
+    return None if found is None else found[0]
+
+
+def _logits_of(node: Node) -> Node:
+    """The logits a log-softmax of log-softmaxes is of: the distribution is the same."""
+    found = _log_softmax_nodes(node)
+    while found is not None:
+        node = found[0]
+        found = _log_softmax_nodes(node)
+    return node
+
+
+def _logsumexp_minus_expected_logit(node: Node) -> tuple | None:
+    """(z, matched, False, False) for ``logsumexp(z, -1) - (softmax(z) * z).sum(-1)``."""
     named = c.SUB.args(node)
     if named is None or len(named) != 2:
         return None
@@ -403,7 +476,7 @@ def _logsumexp_minus_expected_logit(node: Node) -> tuple[Node, list[Node]] | Non
         return None
     for probs, logits in (factors, factors[::-1]):
         if logits is z and c.over_last_dim(c.SOFTMAX, probs) is z:
-            return z, [named["input"], named["other"], product, probs]
+            return z, [named["input"], named["other"], product, probs], False, False
     return None
 
 
@@ -469,6 +542,7 @@ RULES = (
     in_place_scale,
     one_scaling,
     piecewise.join_pieces,
+    categorical.broadcast_value,
     log_probs,
     entropy,
     lower_log_probs,
@@ -480,8 +554,9 @@ _ENDS = {
     "one_scaling": (c.DIV, c.MUL),
     "in_place_scale": (c.DIV_, c.MUL_),
     "join_pieces": (c.STACK, c.CAT),
+    "broadcast_value": (categorical.BROADCAST,),
     "log_probs": (c.GATHER, c.SUB),
-    "entropy": (c.NEG, c.SUB),
+    "entropy": (c.NEG, c.SUB, c.SUM),
     "lower_log_probs": (c.call({canonical.TOKEN_LOG_PROBS}, params=("input", "index")),),
     "dummy_loss": (c.call({canonical.SOFTMAX_ENTROPY}),),
 }

@@ -259,8 +259,9 @@ def bad_constant(name: str, value: Any, *, zero_ok: bool = True) -> str | None:
 _VALUES = (torch.Tensor, torch.Size, torch.SymInt, torch.SymFloat, torch.SymBool, int, float)
 
 
-# Calls that cut a tensor into a tuple of views (what a loop over rows or chunks iterates).
-_CUTS = {"split", "chunk", "unbind", "tensor_split"}
+# Calls that cut a tensor into a tuple of views (what a loop over rows or chunks iterates), or
+# return a tuple of views of their operands (Categorical.log_prob's broadcast_tensors).
+_CUTS = {"split", "chunk", "unbind", "tensor_split", "broadcast_tensors"}
 
 
 def is_dead(node: Node) -> bool:

@@ -91,6 +91,21 @@ def reference_log_probs(x, w, ids):
         return trl_log_probs(F.linear(x, w) / TEMPERATURE, ids)
 
 
+def categorical(x, w, ids):
+    """torch.distributions, as PPO and A2C code writes it."""
+    dist = torch.distributions.Categorical(logits=F.linear(x, w) / TEMPERATURE)
+    return dist.log_prob(ids), dist.entropy()
+
+
+def signs_and_keepdim(x, w, ids):
+    """The negative log-prob (logsumexp - gather, an NLL), the negative entropy (sum p log p,
+    added to a loss with a plus sign) and the entropy with keepdim=True."""
+    z = F.linear(x, w) / TEMPERATURE
+    nll = torch.logsumexp(z, -1) - z.gather(-1, ids[..., None])[..., 0]
+    log_p = F.log_softmax(z, -1)
+    return nll, (log_p.exp() * log_p).sum(-1), -(log_p.exp() * log_p).sum(-1, keepdim=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class Form:
     fn: object
@@ -108,6 +123,10 @@ FUSED = {
     "row loops": Form(row_loops),
     "entropy without grad": Form(entropy_without_grad),
     "reference log-probs": Form(reference_log_probs, outputs=("log_probs",)),
+    "Categorical log_prob and entropy": Form(categorical),
+    "NLL, negative entropy, keepdim entropy": Form(
+        signs_and_keepdim, outputs=("nll", "negative_entropy", "entropy_keepdim")
+    ),
 }
 NAMES = list(FUSED)
 
@@ -130,9 +149,14 @@ def oracle(x, w, ids, form: Form, dtype):
     if form.sliced:
         z = z[:, :-1][:, -K:]
     log_p = (z / TEMPERATURE).log_softmax(-1)
+    log_probs = log_p.gather(-1, ids[..., None]).squeeze(-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
     values = {
-        "log_probs": log_p.gather(-1, ids[..., None]).squeeze(-1),
-        "entropy": -(log_p.exp() * log_p).sum(-1),
+        "log_probs": log_probs,
+        "entropy": entropy,
+        "nll": -log_probs,
+        "negative_entropy": -entropy,
+        "entropy_keepdim": entropy[..., None],
     }
     return [values[name] for name in form.outputs]
 
@@ -202,7 +226,7 @@ def test_every_form_fuses_into_one_call_per_head_and_matches_float64(mode):
     assert not survivors(compiled.graphs, V)
     assert not safety.dead_nodes(compiled.graphs[0].graph)  # (TORCH_LOGS=+cce shows it all)
     forms = sorted(r.form for r in compiled.reports)
-    assert forms.count("log-probs and entropy") == 6 and forms.count("entropy") == 1, forms
+    assert forms.count("log-probs and entropy") == 8 and forms.count("entropy") == 1, forms
     compute = dtype or torch.bfloat16
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         eager = all_forms(x, ws, ids, kept)
@@ -306,6 +330,8 @@ def test_forms_that_cannot_fuse_are_left_as_written_and_say_why(case, caplog):
         torch.testing.assert_close(got, want)
     assert sorted(r.reason for r in compiled.reports) == reasons, compiled.reports
     assert detail in compiled.reports[0].detail, compiled.reports[0].detail
+    # (an entropy under no_grad in a training graph is not an evaluation graph's loss)
+    assert not any("evaluation" in r.detail for r in compiled.reports), compiled.reports
     told = [r.getMessage() for r in caplog.records]  # (TORCH_LOGS=cce: INFO and up)
     assert any(f"({reasons[0]})" in m and "left the" in m for m in told), told
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]

@@ -8,6 +8,8 @@ head): the rules run over it once, and each case's output is read from the graph
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -54,6 +56,23 @@ def _gather_minus_flat_logsumexp(z, ids):
     return torch.gather(z, -1, ids.unsqueeze(-1)).squeeze(-1) - lse
 
 
+def _categorical_log_prob(z, ids):
+    return torch.distributions.Categorical(logits=z).log_prob(ids)
+
+
+def _categorical_entropy(z, ids):
+    return torch.distributions.Categorical(logits=z).entropy()
+
+
+def _categorical_log_prob_of_broadcast_ids(z, ids):
+    return torch.distributions.Categorical(logits=z).log_prob(ids[0])  # (T,) against (B, T)
+
+
+def _clamped_at_another_bound(z, ids):
+    log_p = F.log_softmax(z, -1)
+    return -(torch.clamp(log_p, min=-10.0) * log_p.exp()).sum(-1)
+
+
 def _cat_of_different_functions(z, ids):
     chunks = z.reshape(-1, V).split(4)
     return torch.cat([c.logsumexp(-1) if i == 0 else c.sum(-1) for i, c in enumerate(chunks)])
@@ -96,6 +115,25 @@ CASES = {
         lambda z, i: torch.stack([verl_entropy(r) for r in z.unbind(0)]),
         ENTROPY,
     ),
+    # the sign and keepdim variants, the NLL spelling and torch.distributions.Categorical
+    "(exp(logp) * logp).sum(-1), added with +": (
+        lambda z, i: (F.log_softmax(z, -1).exp() * F.log_softmax(z, -1)).sum(-1),
+        ENTROPY,
+    ),
+    "-(exp(logp) * logp).sum(-1, keepdim=True)": (
+        lambda z, i: -(F.log_softmax(z, -1).exp() * F.log_softmax(z, -1)).sum(-1, keepdim=True),
+        ENTROPY,
+    ),
+    "logsumexp - gather (NLL)": (
+        lambda z, i: torch.logsumexp(z, -1) - z.gather(-1, i[..., None])[..., 0],
+        LOG_PROBS,
+    ),
+    "gather[..., 0] - logsumexp": (
+        lambda z, i: z.gather(-1, i[..., None])[..., 0] - torch.logsumexp(z, -1),
+        LOG_PROBS,
+    ),
+    "Categorical log_prob": (_categorical_log_prob, LOG_PROBS),
+    "Categorical entropy": (_categorical_entropy, ENTROPY),
     # near forms, left as they are
     "gather of fewer rows": (
         lambda z, i: F.log_softmax(z, -1).gather(-1, i[:, :2, None]),
@@ -113,6 +151,8 @@ CASES = {
     "a different function per chunk": (_cat_of_different_functions, KEPT),
     "in-place, a view read after": (_in_place_view_read_after, KEPT),
     "in-place on a graph input": (_in_place_graph_input, KEPT),
+    "Categorical log_prob of broadcast ids": (_categorical_log_prob_of_broadcast_ids, KEPT),
+    "log-probs clamped at another bound": (_clamped_at_another_bound, KEPT),
 }
 
 
@@ -147,7 +187,10 @@ def _outputs(gm):
 
 
 def _became(node) -> str:
-    """What a case's output is after the rules: the canonical op it reads, or kept."""
+    """What a case's output is after the rules: the canonical op it reads (negated, unsqueezed
+    or reshaped), or kept."""
+    if node.op == "call_function" and node.target is operator.neg:
+        node = node.args[0]
     if node.op == "call_method" and node.target in ("unsqueeze", "reshape"):
         node = node.args[0]
     if node.target is canonical.TOKEN_LOG_PROBS:
@@ -162,12 +205,12 @@ def test_each_rule_rewrites_its_forms_and_leaves_near_forms_alone(captured):
     before = [(n.op, str(n.target)) for n in gm.graph.nodes]
     originals = _outputs(gm)
     journal = Journal(gm.graph)
-    names = ("sizes_read", "in_place_scale", "join_pieces", "log_probs", "entropy")
+    names = ("sizes_read", "in_place_scale", "join_pieces", "broadcast_value", "log_probs")
+    names += ("entropy",)
     chosen = [rule for rule in rules.RULES if rule.__name__ in names]
     counts = {rule.__name__: rules.apply(gm.graph, rule, journal) for rule in chosen}
-    assert counts == dict(sizes_read=0, in_place_scale=2, join_pieces=6, log_probs=11, entropy=5), (
-        counts
-    )
+    expected = dict(sizes_read=0, in_place_scale=2, join_pieces=6, broadcast_value=1)
+    assert counts == dict(expected, log_probs=14, entropy=8), counts
     became = {name: _became(node) for name, node in _outputs(gm).items()}
     assert became == {name: expected for name, (_, expected) in CASES.items()}
     for name, (_, expected) in CASES.items():
@@ -179,10 +222,10 @@ def test_each_rule_rewrites_its_forms_and_leaves_near_forms_alone(captured):
 
     # Lowering: each log-prob becomes a cross_entropy marked as such; an entropy whose rows
     # no cross_entropy reads gets one of its own.
-    assert rules.apply(gm.graph, rules.lower_log_probs, journal) == 11
-    assert rules.apply(gm.graph, rules.dummy_loss, journal) == 5
+    assert rules.apply(gm.graph, rules.lower_log_probs, journal) == 14
+    assert rules.apply(gm.graph, rules.dummy_loss, journal) == 8
     forms = [canonical.form(n) for n in gm.graph.nodes if n.target is F.cross_entropy]
-    assert sorted(forms) == [canonical.ENTROPY] * 5 + [canonical.LOG_PROBS] * 11
+    assert sorted(forms) == [canonical.ENTROPY] * 8 + [canonical.LOG_PROBS] * 14
     gm.graph.lint()
 
     # With no fused site, the journal puts the graph back as the user's code made it.

@@ -1,0 +1,99 @@
+"""``torch.distributions.Categorical(logits=z)`` as Dynamo traces it, read in the forms
+``rules.py`` knows (PPO and A2C code writes its log-probs and entropy this way)::
+
+    lp = z - z.logsumexp(dim=-1, keepdim=True)             # Categorical's logits: log_softmax(z)
+    value, log_pmf = torch.broadcast_tensors(ids.long().unsqueeze(-1), lp)
+    log_prob = log_pmf.gather(-1, value[..., :1]).squeeze(-1)
+    entropy = -(torch.clamp(lp, min=finfo.min) * F.softmax(lp, dim=-1)).sum(-1)
+
+``normalized_logits`` and ``unclamped`` are what the log-prob and entropy rules look through;
+``broadcast_value`` is a rule: where the broadcast changes neither operand's rows (ids with the
+logits' leading shape), its outputs are its operands.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from . import calls as c
+from . import predicates as p
+from .journal import Journal
+
+CLAMP = c.call({torch.clamp, torch.clip}, {"clamp", "clip"}, ("input", "min", "max"))
+# (two operands: the index and the log-probs, as Categorical.log_prob passes them)
+BROADCAST = c.call({torch.broadcast_tensors}, (), ("input", "other"))
+
+
+def normalized_logits(node: Any) -> Node | None:
+    """z for ``z - z.logsumexp(-1, keepdim=True)``: ``log_softmax(z, -1)`` written out."""
+    named = c.SUB.args(node)
+    if named is None or len(named) != 2 or not isinstance(named["input"], Node):
+        return None
+    z = named["input"]
+    lse = c.over_last_dim(c.LOGSUMEXP, named["other"], keepdim=True)
+    return z if lse is z and p.tensor_value(z) is not None else None
+
+
+def unclamped(node: Any) -> Any:
+    """x for ``clamp(x, min=finfo(x.dtype).min)`` (Categorical's entropy: a log-prob of -inf
+    becomes the least float, so that ``0 * log 0`` counts 0, as the entropy's math has it);
+    else ``node``."""
+    named = CLAMP.args(node)
+    value = p.tensor_value(node)
+    if named is None or named.get("max") is not None or value is None:
+        return node
+    if not value.dtype.is_floating_point or named.get("min") != torch.finfo(value.dtype).min:
+        return node
+    return named["input"]
+
+
+def broadcast_value(node: Node, journal: Journal) -> bool:
+    """``value, lp = broadcast_tensors(index, lp)`` with ``index`` (..., 1) int64 and ``lp``
+    (..., V) of the same leading shape, every use of ``value`` being ``value[..., :1]``:
+    ``lp`` is read as ``lp`` and ``value[..., :1]`` as ``index``."""
+    named = BROADCAST.args(node)
+    if named is None or node.kwargs or len(node.args) != 2:
+        return False
+    index, lp = named["input"], named["other"]
+    if not _one_class_per_row(index, lp):
+        return False
+    outputs = {u.args[1]: u for u in node.users if p.is_call(u, {operator.getitem})}
+    if len(outputs) != len(node.users) or set(outputs) - {0, 1}:
+        return False
+    picks = list(outputs[0].users) if 0 in outputs else []
+    if not all(p.is_call(u, {operator.getitem}) and _first_column(u.args[1]) for u in picks):
+        return False
+    replaced = [(outputs[1], lp)] if 1 in outputs else []
+    replaced += [(pick, index) for pick in picks]
+    readers = {u: (u.args, u.kwargs) for old, _ in replaced for u in old.users}
+    for old, new in replaced:
+        old.replace_all_uses_with(new)
+
+    def undo() -> None:
+        for user, (args, kwargs) in readers.items():
+            user.args, user.kwargs = args, kwargs
+
+    journal.record("broadcast", [lp, node, *outputs.values(), *picks], [], undo)
+    return True
+
+
+def _one_class_per_row(index: Any, lp: Any) -> bool:
+    """Is ``index`` (..., 1) int64 and ``lp`` (..., V), with the same leading sizes?"""
+    ids, logits = p.tensor_value(index), p.tensor_value(lp)
+    if ids is None or logits is None or ids.dtype != torch.int64 or ids.dim() != logits.dim():
+        return False
+    if ids.dim() == 0 or not p.same_size(ids.shape[-1], 1):
+        return False
+    return all(p.same_size(a, b) for a, b in zip(ids.shape[:-1], logits.shape[:-1]))
+
+
+def _first_column(index: Any) -> bool:
+    """``[..., :1]`` (or ``[..., 0:1]``)."""
+    if not isinstance(index, tuple) or len(index) != 2 or index[0] is not Ellipsis:
+        return False
+    cut = index[1]
+    return isinstance(cut, slice) and cut.start in (None, 0) and cut.stop == 1 and cut.step is None
