@@ -237,10 +237,44 @@ def part_ddp(runner: Runner, results: dict) -> None:
     results["ddp"] = _read_json(out / "ddp.json", status)
 
 
+HOOK_PROBE = "import sys; print('cce_compile._autoenable' in sys.modules)"
+
+
+def install_startup_hook(runner: Runner) -> str:
+    """Makes ``CCE_COMPILE=1`` work in the parts' interpreters as after ``pip install``: the
+    tree only on PYTHONPATH has no start-up hook (Python reads ``.pth`` files in site-packages
+    alone), so its ``.pth`` is copied there once. Returns where the hook is, or why not."""
+    probe = [sys.executable, "-c", HOOK_PROBE]
+    env = {**runner.env, "CCE_COMPILE": "1"}
+
+    def active() -> bool:
+        done = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=120)
+        return done.stdout.strip() == "True"
+
+    if active():
+        return "installed"
+    import site
+
+    for folder in [*site.getsitepackages(), site.getusersitepackages()]:
+        try:
+            pathlib.Path(folder).mkdir(parents=True, exist_ok=True)
+            target = pathlib.Path(folder) / "cce_compile_autoenable.pth"
+            target.write_text((ROOT / "cce_compile_autoenable.pth").read_text())
+        except OSError:
+            continue
+        if active():
+            return str(target)
+        target.unlink()
+    return "not installed: no writable site-packages reads it"
+
+
 def part_trainer(runner: Runner, results: dict) -> None:
     """The HF Trainer runs in TRAINER_RUNS order, each launch bounded by what is left of the
     part's cap; a launch that could not finish a run is not started."""
     runs = results["trainer"] = {}
+    hook = install_startup_hook(runner)
+    results["trainer_startup_hook"] = hook
+    print(f"[multi_gpu] start-up hook: {hook}", flush=True)
     deadline = time.monotonic() + CAPS["trainer"][0]
     least = CAPS["trainer"][1] / len(TRAINER_RUNS)
     for index, (layout, fused) in enumerate(TRAINER_RUNS):
