@@ -58,6 +58,8 @@ EXTRA_CASES = {
     "plain/default-buckets/cce-lean": ("plain", 25, "cce", {"mode": "lean"}),
     "plain/default-buckets/cce-fast": ("plain", 25, "cce", {"mode": "fast"}),
     "plain/default-buckets/inductor-hook": ("plain", 25, "hook", {}),
+    "head-then-aux/default-buckets/cce-lean": ("head-then-aux", 25, "cce", {"mode": "lean"}),
+    "plain/one-graph/cce-lean": ("plain", 25, "cce", {"mode": "lean", "optimize_ddp": False}),
 }
 
 
@@ -142,6 +144,9 @@ def run_case(name: str, args, device) -> dict:
     errors = []
     began = time.perf_counter()
     batch, length = max(args.rows // 2048, 1), min(args.rows, 2048)
+    settings = dict(settings)
+    optimize_ddp = torch._dynamo.config.optimize_ddp
+    torch._dynamo.config.optimize_ddp = settings.pop("optimize_ddp", optimize_ddp)
     restore = config.get()
     config.update(**settings)
     for _ in range(args.steps):
@@ -162,6 +167,7 @@ def run_case(name: str, args, device) -> dict:
         for optimiser in optimisers:
             optimiser.step()
     config.update(**{key: getattr(restore, key) for key in settings})
+    torch._dynamo.config.optimize_ddp = optimize_ddp
     seconds = time.perf_counter() - began
     op = torch.ops.cce.linear_cross_entropy.default
     holding = [
