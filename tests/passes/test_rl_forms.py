@@ -325,7 +325,9 @@ def test_forms_that_cannot_fuse_are_left_as_written_and_say_why(case, caplog):
     # As written: no node a rule made is left (no canonical op, no cross_entropy the rules
     # added), and eager's numbers come out.
     for node in compiled.graphs[0].graph.nodes:
-        assert "cce" not in str(node.target) and not node.meta.get("cce_form"), node.format_node()
+        # (an op of the cce namespace prints as "cce.<name>"; a builtin's address may hold "cce")
+        made = str(node.target).startswith("cce.") or node.meta.get("cce_form")
+        assert not made, node.format_node()
     for got, want in zip(outputs, fn(x, w, ids)):
         torch.testing.assert_close(got, want)
     assert sorted(r.reason for r in compiled.reports) == reasons, compiled.reports
