@@ -24,7 +24,7 @@ from torch.fx import Node
 
 from . import predicates as p
 from . import safety
-from .canonical import entropy_input
+from .canonical import LEFT_ALONE, entropy_input
 from .journal import user_name
 
 
@@ -213,6 +213,8 @@ def _named(user: Node) -> str:
     site's op does not serve (it serves only the entropy of the rows it computes, at their
     scaling), or rows of them another cross-entropy reads."""
     _, end = _through_casts(user, row_views=True)
+    if entropy_input(end) is not None and LEFT_ALONE in end.meta:
+        return f"{user_name(end)} ({end.meta[LEFT_ALONE]})"
     if entropy_input(end) is not None:
         return (
             f"{user_name(end)} (an entropy of other rows or another scaling of the logits than "

@@ -24,6 +24,7 @@ from torch.fx import Graph, Node
 
 from . import predicates as p
 from . import safety
+from .canonical import LEFT_ALONE
 
 # The name of the user's node a rewritten node stands for (``node.meta``): reports name it.
 REPLACES = "cce_replaces"
@@ -79,8 +80,12 @@ class Journal:
 
     def settle(self, fused_sites: Iterable[Iterable[Node]]) -> list[str]:
         """Roll back, latest first, every entry whose group reaches none of the nodes of the
-        ``fused_sites`` (each given by its nodes); returns the rules rolled back."""
+        ``fused_sites`` (each given by its nodes), and every entry that made a node not to be
+        fused (``LEFT_ALONE``: a site keeping the logits for it reaches it); returns the rules
+        rolled back."""
         kept = self._groups_reaching({n for site in fused_sites for n in site})
+        marked = [any(LEFT_ALONE in n.meta for n in e.created) for e in self.entries]
+        kept -= {index for index, left_alone in enumerate(marked) if left_alone}
         rolled_back = []
         for index in reversed(range(len(self.entries))):
             if index not in kept:

@@ -34,8 +34,17 @@ from .emit import (
     shape_of,
     targets_as_rows,
 )
+from .journal import user_name
 from .report_types import location
-from .verdicts import DTENSOR, ESCAPES, NO_HEAD, UNSUPPORTED_OPTION, Rejection, Site
+from .verdicts import (
+    DTENSOR,
+    ESCAPES,
+    INEXACT_FORM,
+    NO_HEAD,
+    UNSUPPORTED_OPTION,
+    Rejection,
+    Site,
+)
 
 aten = torch.ops.aten
 OP = torch.ops.cce.linear_cross_entropy.default
@@ -209,6 +218,9 @@ def _site(
     inside = [*walk.chain, loss, *options.loss_side, *canonical.dummy_target_nodes(loss)]
     users = escapes.classify_users(walk.head, walk.chain, inside, set(walk.z_level))
     found = _Candidate(loss, options, walk, operands, inside, users)
+    left_alone = _left_alone(found)
+    if left_alone is not None:
+        return left_alone
     anchor, lse_shapes, entropy_shapes = _serve_row_outputs(found, order)
     rejected = _write_in_region(found, anchor, order)
     dropped = _escape(found)
@@ -290,6 +302,28 @@ def _logits_read(user: Node, found: _Candidate) -> Node:
     while node not in logits:
         node = node.args[0]
     return node
+
+
+def _left_alone(found: _Candidate) -> Rejection | None:
+    """Why a form the rules marked as not to be fused (``canonical.LEFT_ALONE``), an entropy
+    the op would serve or the loss made for one, keeps the site unfused; beside the user's own
+    loss under CCE_ESCAPING_LOGITS=rewrite, the kept logits serve it instead (the journal puts
+    the user's form back), as any other use."""
+    users = found.users
+    marked = [u for u in users.entropy_users if canonical.LEFT_ALONE in u.meta]
+    own_loss = canonical.LEFT_ALONE not in found.loss.meta
+    if marked and own_loss and config.get().escaping_logits == "rewrite":
+        for user in marked:
+            users.entropy_users.remove(user)
+            logits = _logits_read(user, found)
+            users.escaping += [] if logits in users.escaping else [logits]
+        return None
+    if marked:
+        why = marked[0].meta[canonical.LEFT_ALONE]
+        return Rejection(found.loss, INEXACT_FORM, f"{user_name(marked[0])}: {why}")
+    if not own_loss:
+        return Rejection(found.loss, INEXACT_FORM, found.loss.meta[canonical.LEFT_ALONE])
+    return None
 
 
 def _write_in_region(found: _Candidate, anchor: Node, order: dict[Node, int]) -> Rejection | None:

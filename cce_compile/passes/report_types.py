@@ -17,6 +17,7 @@ from .verdicts import (
     DTENSOR,
     ESCAPES,
     GRAPH_BREAK,
+    INEXACT_FORM,
     MUTATION,
     NO_HEAD,
     UNSUPPORTED_OP,
@@ -40,6 +41,10 @@ _FIX = {
     UNSUPPORTED_OP: "the pass fuses lm_head -> casts, views, row slices, a constant scale or "
     "softcap -> cross_entropy (docs/graph_forms.md); write the loss in that form, or move "
     "other ops after it",
+    # (the one form marked so: an entropy from softmax(z).log(), rules.py)
+    INEXACT_FORM: "take the entropy's log-probabilities with F.log_softmax(z, -1), not "
+    "softmax(z).log(): `-(p * F.log_softmax(z, -1)).sum(-1)` is fused, and its 0 * log p is 0 "
+    "where a probability underflows",
 }
 # Added to UNSUPPORTED_OP's fix where the op in the chain is an addition to the logits: what a
 # LoRA adapter on lm_head makes (``_adds_to_the_logits``).

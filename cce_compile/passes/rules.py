@@ -25,6 +25,8 @@ Each rule is a function of one node, the last of its form; it rewrites through t
    (verl, OpenRLHF); either operand order; Categorical's ``-(clamp(lp, min=finfo.min) *
    softmax(lp)).sum(-1)``; the sum without its minus (the negative entropy) ->
    ``-softmax_entropy(z)``; with ``keepdim=True`` -> ``softmax_entropy(z).unsqueeze(-1)``.
+   Also ``-(p * p.log()).sum(-1)``, ``p = softmax(z)``, marked ``canonical.LEFT_ALONE`` (eager's
+   ``0 * log 0`` is NaN): its site is left alone, says why, and the journal undoes it.
 5. ``lower_log_probs``: ``token_log_probs(z, ids)`` ->
    ``-F.cross_entropy(z.flatten(0, -2), ids.flatten(), reduction="none",
    ignore_index=NO_ID).view_as(ids)``: eager's values wherever its ``gather`` has them. No id
@@ -76,8 +78,8 @@ def sizes_read(node: Node, journal: Journal) -> bool:
         return False
     if isinstance(value, torch.SymInt):
         known = value.node.maybe_as_int()
-        value = known if known is not None else p.symint_holders(node.graph).get(
-            str(value.node.expr)
+        value = (
+            known if known is not None else p.symint_holders(node.graph).get(str(value.node.expr))
         )
     if value is None or isinstance(value, bool) or not isinstance(value, (int, Node)):
         return False
@@ -404,9 +406,12 @@ def entropy(node: Node, journal: Journal) -> bool:
     found = _sum_p_log_p(node) or _logsumexp_minus_expected_logit(node)
     if found is None:
         return False
-    z, matched, keeps_dim, negated = found
+    z, matched, keeps_dim, negated, inexact = found
     emit = Emitter(node.graph, node)
     created = [emit(canonical.SOFTMAX_ENTROPY, z)]
+    created[0].meta[REPLACES] = node.meta.get(REPLACES, node.name)  # (the report's name)
+    if inexact:
+        created[0].meta[canonical.LEFT_ALONE] = _LOG_OF_SOFTMAX
     if keeps_dim:
         created.append(emit.method("unsqueeze", created[-1], -1))
     if negated:
@@ -418,10 +423,17 @@ def entropy(node: Node, journal: Journal) -> bool:
     return True
 
 
+_LOG_OF_SOFTMAX = (  # why ``-(p * p.log()).sum(-1)`` is not fused (``canonical.LEFT_ALONE``)
+    "the entropy takes the log of softmax(z) (p * p.log()): where a probability underflows to "
+    "0, eager's 0 * log 0 is NaN and the op's entropy would be a number"
+)
+
+
 def _sum_p_log_p(node: Node) -> tuple | None:
-    """(z, matched, keeps_dim, negated) for ``-(P * L).sum(-1)`` (or ``(P * L).sum(-1)``:
-    negated), ``keepdim=True`` or not; L ``log_softmax(z)`` (or Categorical's, clamped at the
-    least float), P ``exp(L)`` or ``softmax(z)`` (or ``softmax(L)``)."""
+    """(z, matched, keeps_dim, negated, inexact) for ``-(P * L).sum(-1)`` (or ``(P *
+    L).sum(-1)``: negated), ``keepdim=True`` or not; L ``log_softmax(z)`` (or Categorical's,
+    clamped at the least float), or ``log(softmax(z))`` (inexact: NaN where eager's ``p``
+    underflows), P ``exp(L)`` or ``softmax(z)`` (or ``softmax(L)``)."""
     named = c.NEG.args(node)
     total, negated = (named["input"], False) if named is not None else (node, True)
     users = safety.live_users(node)
@@ -436,14 +448,23 @@ def _sum_p_log_p(node: Node) -> tuple | None:
         return None
     for probs, log_probs_node in (factors, factors[::-1]):
         found = _log_softmax_nodes(categorical.unclamped(log_probs_node))
+        inexact = found is None
+        found = found or _log_of_softmax(log_probs_node)
         if found is None:
             continue
         z, nodes = found
         source = _probs_source(probs)
         if source is not None and _logits_of(source) is _logits_of(z):
             matched = [total, product, probs, log_probs_node, *nodes, *probs.all_input_nodes]
-            return _logits_of(z), matched, keeps_dim, negated
+            return _logits_of(z), matched, keeps_dim, negated, inexact
     return None
+
+
+def _log_of_softmax(node: Node) -> tuple[Node, list[Node]] | None:
+    """(z, the form's nodes) for ``log(softmax(z, -1))`` (``p.log()``, ``torch.log(p)``)."""
+    named = c.LOG.args(node)
+    z = None if named is None else c.over_last_dim(c.SOFTMAX, named["input"])
+    return None if z is None else (z, [node, named["input"]])
 
 
 def _probs_source(probs: Node) -> Node | None:
@@ -465,7 +486,8 @@ def _logits_of(node: Node) -> Node:
 
 
 def _logsumexp_minus_expected_logit(node: Node) -> tuple | None:
-    """(z, matched, False, False) for ``logsumexp(z, -1) - (softmax(z) * z).sum(-1)``."""
+    """(z, matched, False, False, False) for ``logsumexp(z, -1) - (softmax(z) *
+    z).sum(-1)``."""
     named = c.SUB.args(node)
     if named is None or len(named) != 2:
         return None
@@ -476,7 +498,7 @@ def _logsumexp_minus_expected_logit(node: Node) -> tuple | None:
         return None
     for probs, logits in (factors, factors[::-1]):
         if logits is z and c.over_last_dim(c.SOFTMAX, probs) is z:
-            return z, [named["input"], named["other"], product, probs], False, False
+            return z, [named["input"], named["other"], product, probs], False, False, False
     return None
 
 
@@ -520,7 +542,8 @@ def lower_log_probs(node: Node, journal: Journal) -> bool:
 def dummy_loss(node: Node, journal: Journal) -> bool:
     """For ``softmax_entropy(x)`` where no cross-entropy reads the rows of ``x``:
     ``cross_entropy(x.flatten(0, -2), zeros, reduction="none")``, unused, marked as an
-    entropy's (``canonical.ENTROPY``): the op's entropy output serves ``x``'s entropy."""
+    entropy's (``canonical.ENTROPY``): the op's entropy output serves ``x``'s entropy. An
+    entropy not to be fused passes its ``canonical.LEFT_ALONE`` on: the site says why."""
     x = canonical.entropy_input(node)
     if x is None or p.tensor_value(x).dim() < 2:
         return False
@@ -532,6 +555,8 @@ def dummy_loss(node: Node, journal: Journal) -> bool:
     targets = emit(torch.zeros_like, first, dtype=torch.int64)
     loss = emit(F.cross_entropy, rows, targets, reduction="none")
     loss.meta[canonical.FORM] = canonical.ENTROPY
+    if canonical.LEFT_ALONE in node.meta:
+        loss.meta[canonical.LEFT_ALONE] = node.meta[canonical.LEFT_ALONE]
     created = [rows, first, targets, loss]
     journal.record("lowering", [x, node], created, lambda: journal.erase(created))
     return True

@@ -22,6 +22,7 @@ UNSUPPORTED_OP = "unsupported_op_in_chain"
 UNSUPPORTED_OPTION = "unsupported_option"
 DTENSOR = "dtensor_weights"
 MUTATION = "mutation_in_region"  # an in-place write the op would not see (or would)
+INEXACT_FORM = "inexact_form"  # a form the op would compute otherwise (canonical.LEFT_ALONE)
 NO_HEAD = "no_linear_head"
 DISABLED = "disabled"  # a match that CCE_DISABLE keeps from being rewritten
 DISABLED_DETAIL = "CCE_DISABLE is set"

@@ -134,6 +134,11 @@ CASES = {
     ),
     "Categorical log_prob": (_categorical_log_prob, LOG_PROBS),
     "Categorical entropy": (_categorical_entropy, ENTROPY),
+    # rewritten, marked as not to be fused: eager's 0 * log 0 is NaN (test_rl_left_alone.py)
+    "-(p * p.log()).sum(-1)": (
+        lambda z, i: -(z.softmax(-1) * z.softmax(-1).log()).sum(-1),
+        ENTROPY,
+    ),
     # near forms, left as they are
     "gather of fewer rows": (
         lambda z, i: F.log_softmax(z, -1).gather(-1, i[:, :2, None]),
@@ -210,7 +215,7 @@ def test_each_rule_rewrites_its_forms_and_leaves_near_forms_alone(captured):
     chosen = [rule for rule in rules.RULES if rule.__name__ in names]
     counts = {rule.__name__: rules.apply(gm.graph, rule, journal) for rule in chosen}
     expected = dict(sizes_read=0, in_place_scale=2, join_pieces=6, broadcast_value=1)
-    assert counts == dict(expected, log_probs=14, entropy=8), counts
+    assert counts == dict(expected, log_probs=14, entropy=9), counts
     became = {name: _became(node) for name, node in _outputs(gm).items()}
     assert became == {name: expected for name, (_, expected) in CASES.items()}
     for name, (_, expected) in CASES.items():
@@ -219,13 +224,18 @@ def test_each_rule_rewrites_its_forms_and_leaves_near_forms_alone(captured):
     kept = [n.meta.get(canonical.KEPT_IN_PLACE) for n in gm.graph.nodes]
     assert any(why and "another view of" in why for why in kept), [k for k in kept if k]
     assert any(why and "is an input of the graph" in why for why in kept), kept
+    marked = [n for n in gm.graph.nodes if canonical.LEFT_ALONE in n.meta]
+    assert [n.target for n in marked] == [canonical.SOFTMAX_ENTROPY], marked
+    assert _outputs(gm)["-(p * p.log()).sum(-1)"] is marked[0]
 
     # Lowering: each log-prob becomes a cross_entropy marked as such; an entropy whose rows
     # no cross_entropy reads gets one of its own.
     assert rules.apply(gm.graph, rules.lower_log_probs, journal) == 14
-    assert rules.apply(gm.graph, rules.dummy_loss, journal) == 8
+    assert rules.apply(gm.graph, rules.dummy_loss, journal) == 9
     forms = [canonical.form(n) for n in gm.graph.nodes if n.target is F.cross_entropy]
-    assert sorted(forms) == [canonical.ENTROPY] * 8 + [canonical.LOG_PROBS] * 14
+    assert sorted(forms) == [canonical.ENTROPY] * 9 + [canonical.LOG_PROBS] * 14
+    # (the marked entropy's loss carries the mark: its site is left alone, saying why)
+    assert sum(canonical.LEFT_ALONE in n.meta for n in gm.graph.nodes) == 2
     gm.graph.lint()
 
     # With no fused site, the journal puts the graph back as the user's code made it.
