@@ -29,10 +29,11 @@ One command, on 2 GPUs (about a minute)::
 ``--emulate-ranks 2`` on one GPU (``--nproc-per-node 1``): both ranks' batches in one process
 without DDP, gradients averaged, each call checked (does rank 1's data alone bring it back?).
 
-What it showed on CPU (2026-11-28, torch 2.13, gloo, dim 64, V 2000, 256 rows a rank, 5
+What it showed on CPU (2026-11-28, torch 2.13, gloo, dim 64, V 2000, 256 rows a rank, 3-5
 steps): exact at every step (d hidden 2.2e-7 from float64, body gradients 2.7e-7), through the
 PyTorch path under AOTAutograd and under Inductor, and through the Triton path in the
-interpreter (V 1000, 128 rows).
+interpreter under both (V 1000, 128 rows); ``--emulate-ranks 2`` gives the same numbers as the
+two ranks (the same weights at every step).
 
 On CPU (gloo, toy sizes; ``--backend aot-eager``: the pass without Inductor's C++ compile;
 ``--triton`` with TRITON_INTERPRET=1: the Triton path in the interpreter)::
