@@ -38,17 +38,63 @@ def normalized_logits(node: Any) -> Node | None:
     return z if lse is z and p.tensor_value(z) is not None else None
 
 
-def unclamped(node: Any) -> Any:
-    """x for ``clamp(x, min=finfo(x.dtype).min)`` (Categorical's entropy: a log-prob of -inf
-    becomes the least float, so that ``0 * log 0`` counts 0, as the entropy's math has it);
-    else ``node``."""
+def unclamped(node: Any) -> tuple[Any, str | None]:
+    """(x, why) for ``clamp(x, min=finfo(x.dtype).min)`` (Categorical's entropy: a log-prob of
+    -inf becomes the least float, so that a class of logit -inf adds 0 and not ``0 * -inf``);
+    why is None where the logits ``x`` is normalised from cannot hold -inf (``finite_logits``):
+    there the clamp changes nothing. Elsewhere it is why the entropy is left alone
+    (``canonical.LEFT_ALONE``): the op's entropy is NaN at a -inf logit. (node, None) for any
+    other node."""
     named = CLAMP.args(node)
     value = p.tensor_value(node)
     if named is None or named.get("max") is not None or value is None:
-        return node
+        return node, None
     if not value.dtype.is_floating_point or named.get("min") != torch.finfo(value.dtype).min:
-        return node
-    return named["input"]
+        return node, None
+    x = named["input"]
+    z = normalized_logits(x) or c.over_last_dim(c.LOG_SOFTMAX, x)
+    return x, None if z is not None and finite_logits(z) else MAY_HOLD_MINUS_INF
+
+
+# Why Categorical's entropy of logits that may hold -inf is left alone (``unclamped``), and
+# what to change (the site's detail: inexact_form's usual fix is about softmax(z).log()).
+MAY_HOLD_MINUS_INF = (
+    "Categorical's entropy clamps its log-probabilities at the least float, so that a class "
+    "of logit -inf (a masked class, e.g. a -inf in the head's bias) adds 0, where the op's "
+    "entropy is NaN, and these logits may hold -inf: they are not a linear head's without a "
+    "bias (scaled or softcapped). Where no logit is ever -inf, drop the bias or write the "
+    "entropy as -(d.probs * d.logits).sum(-1) (fused; NaN at a -inf logit, as in eager); "
+    "where classes are masked with -inf, d.entropy() stays as written"
+)
+
+
+def finite_logits(node: Any) -> bool:
+    """Are ``node``'s values finite wherever the head's operands are (overflow aside): a
+    linear head without a bias (``F.linear(h, W)``, ``h @ W.T``) through row views,
+    ``contiguous``/``clone``/``detach``, widening casts and scalings, or a tanh (a softcap is
+    bounded)? A scaling by 0 or inf makes every row of Categorical's entropy NaN in eager too:
+    any factor passes. A bias, a ``masked_fill`` or any other op: no."""
+    while True:
+        if p.is_tanh(node) or p.is_matmul(node):
+            return True
+        if p.is_linear(node):
+            return p.linear_operands(node)[2] is None
+        scaled = p.is_scale(node)
+        if scaled is not None:
+            node = scaled[0]
+        elif p.is_row_view(node) or p.is_passthrough(node) or _widens(node):
+            node = node.args[0]
+        else:
+            return False
+
+
+def _widens(node: Any) -> bool:
+    """A cast to a float type of at least the input's range (bf16 -> float32: no overflow)."""
+    to = p.cast_dtype(node)
+    before = None if to is None else p.tensor_value(node.args[0])
+    if before is None or not (to.is_floating_point and before.is_floating_point):
+        return False
+    return torch.finfo(to).max >= torch.finfo(before).max
 
 
 def broadcast_value(node: Node, journal: Journal) -> bool:

@@ -279,6 +279,23 @@ def same_size(a: Any, b: Any) -> bool:
     return _same_size(a, b)
 
 
+def same_shape(a: Any, b: Any) -> bool:
+    """Two tensor nodes of provably equal shapes, without adding guards."""
+    x, y = tensor_value(a), tensor_value(b)
+    if x is None or y is None or x.dim() != y.dim():
+        return False
+    return all(_same_size(m, n) for m, n in zip(x.shape, y.shape))
+
+
+def guarded_same_size(a: Any, b: Any) -> bool:
+    """Sizes provably equal, or equal in this compile's example (backed SymInts), with a
+    guard so that the graph recompiles where they differ: ids beside the logits are two
+    inputs whose sizes Dynamo makes separate symbols when it recompiles for a new shape."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    return _same_size(a, b) or bool(guard_or_false(a == b))
+
+
 def row_index(node: Any) -> Any:
     """The index of ``x[index]`` when it selects rows only (the last dim whole), else None."""
     if not is_call(node, {operator.getitem}):

@@ -304,7 +304,9 @@ def _gather_minus_logsumexp(node: Node) -> tuple | None:
 
 def _picked_and_logsumexp(picked: Any, lse: Any) -> tuple | None:
     """(z, index, keeps_dim, matched) for ``picked`` a gather of z over the last dim and
-    ``lse`` the logsumexp of the same rows, alike in shape."""
+    ``lse`` the logsumexp of the same rows, alike in shape and in having a gradient (a detach
+    or no_grad on one side: eager's gradient flows through the other alone, the op's through
+    both or neither)."""
     keeps_dim = not _squeezes_last(picked)
     gathered = _gather(picked if keeps_dim else picked.args[0])
     if gathered is None:
@@ -313,7 +315,7 @@ def _picked_and_logsumexp(picked: Any, lse: Any) -> tuple | None:
     rows = _logsumexp_rows(lse, keepdim=keeps_dim)
     if rows is None or not _indexes(index, z) or _root(rows[0]) is not _root(z):
         return None
-    if not _same_shape(picked, lse):
+    if not p.same_shape(picked, lse) or safety.requires_grad(picked) != safety.requires_grad(lse):
         return None
     return z, index, keeps_dim, [picked, z, index, lse, *rows]
 
@@ -327,13 +329,13 @@ def _gather(node: Any) -> tuple[Node, Node] | None:
 
 
 def _indexes(index: Any, z: Node) -> bool:
-    """Is ``index`` one int64 class per row of ``z``, as (..., 1)?"""
+    """Is ``index`` one int64 class per row of ``z``, as (..., 1)? (Guarded where symbolic.)"""
     value, logits = p.tensor_value(index), p.tensor_value(z)
     if value is None or logits is None or value.dtype != torch.int64:
         return False
     if value.dim() != logits.dim() or not p.same_size(value.shape[-1], 1):
         return False
-    return all(p.same_size(a, b) for a, b in zip(value.shape[:-1], logits.shape[:-1]))
+    return all(p.guarded_same_size(a, b) for a, b in zip(value.shape[:-1], logits.shape[:-1]))
 
 
 def _logsumexp_rows(node: Any, keepdim: bool) -> list[Node] | None:
@@ -379,16 +381,6 @@ def _unsqueezed_source(index: Node) -> Node | None:
     return None
 
 
-def _same_shape(a: Node, b: Node) -> bool:
-    x, y = p.tensor_value(a), p.tensor_value(b)
-    return (
-        x is not None
-        and y is not None
-        and x.dim() == y.dim()
-        and all(p.same_size(m, n) for m, n in zip(x.shape, y.shape))
-    )
-
-
 def _root(node: Any) -> Any:
     """The tensor whose rows ``node`` holds, through row views, contiguous and float32 casts."""
     while p.is_row_view(node) or p.is_passthrough(node) or p.cast_dtype(node) == torch.float32:
@@ -410,8 +402,8 @@ def entropy(node: Node, journal: Journal) -> bool:
     emit = Emitter(node.graph, node)
     created = [emit(canonical.SOFTMAX_ENTROPY, z)]
     created[0].meta[REPLACES] = node.meta.get(REPLACES, node.name)  # (the report's name)
-    if inexact:
-        created[0].meta[canonical.LEFT_ALONE] = _LOG_OF_SOFTMAX
+    if inexact:  # (why the op would compute otherwise)
+        created[0].meta[canonical.LEFT_ALONE] = inexact
     if keeps_dim:
         created.append(emit.method("unsqueeze", created[-1], -1))
     if negated:
@@ -432,8 +424,8 @@ _LOG_OF_SOFTMAX = (  # why ``-(p * p.log()).sum(-1)`` is not fused (``canonical.
 def _sum_p_log_p(node: Node) -> tuple | None:
     """(z, matched, keeps_dim, negated, inexact) for ``-(P * L).sum(-1)`` (or ``(P *
     L).sum(-1)``: negated), ``keepdim=True`` or not; L ``log_softmax(z)`` (or Categorical's,
-    clamped at the least float), or ``log(softmax(z))`` (inexact: NaN where eager's ``p``
-    underflows), P ``exp(L)`` or ``softmax(z)`` (or ``softmax(L)``)."""
+    clamped at the least float), or ``log(softmax(z))``, P ``exp(L)`` or ``softmax(z)`` (or
+    ``softmax(L)``); inexact: why the op's entropy would differ from eager's, or None."""
     named = c.NEG.args(node)
     total, negated = (named["input"], False) if named is not None else (node, True)
     users = safety.live_users(node)
@@ -447,9 +439,10 @@ def _sum_p_log_p(node: Node) -> tuple | None:
     else:
         return None
     for probs, log_probs_node in (factors, factors[::-1]):
-        found = _log_softmax_nodes(categorical.unclamped(log_probs_node))
-        inexact = found is None
-        found = found or _log_of_softmax(log_probs_node)
+        unclamped, inexact = categorical.unclamped(log_probs_node)
+        found = _log_softmax_nodes(unclamped)
+        if found is None:
+            found, inexact = _log_of_softmax(log_probs_node), _LOG_OF_SOFTMAX
         if found is None:
             continue
         z, nodes = found
@@ -486,7 +479,7 @@ def _logits_of(node: Node) -> Node:
 
 
 def _logsumexp_minus_expected_logit(node: Node) -> tuple | None:
-    """(z, matched, False, False, False) for ``logsumexp(z, -1) - (softmax(z) *
+    """(z, matched, False, False, None) for ``logsumexp(z, -1) - (softmax(z) *
     z).sum(-1)``."""
     named = c.SUB.args(node)
     if named is None or len(named) != 2:
@@ -498,7 +491,7 @@ def _logsumexp_minus_expected_logit(node: Node) -> tuple | None:
         return None
     for probs, logits in (factors, factors[::-1]):
         if logits is z and c.over_last_dim(c.SOFTMAX, probs) is z:
-            return z, [named["input"], named["other"], product, probs], False, False, False
+            return z, [named["input"], named["other"], product, probs], False, False, None
     return None
 
 

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from rl_forms import trl_entropy, trl_log_probs, verl_entropy, verl_log_probs
 
-from cce_compile.passes import canonical, rules
+from cce_compile.passes import canonical, categorical, rules
+from cce_compile.passes.canonical import LEFT_ALONE
 from cce_compile.passes.journal import Journal
 
 B, T, V = 2, 5, 11
@@ -224,9 +225,12 @@ def test_each_rule_rewrites_its_forms_and_leaves_near_forms_alone(captured):
     kept = [n.meta.get(canonical.KEPT_IN_PLACE) for n in gm.graph.nodes]
     assert any(why and "another view of" in why for why in kept), [k for k in kept if k]
     assert any(why and "is an input of the graph" in why for why in kept), kept
-    marked = [n for n in gm.graph.nodes if canonical.LEFT_ALONE in n.meta]
-    assert [n.target for n in marked] == [canonical.SOFTMAX_ENTROPY], marked
-    assert _outputs(gm)["-(p * p.log()).sum(-1)"] is marked[0]
+    # Marked not to be fused: the log of softmax(z), and Categorical's entropy, whose logits
+    # (a graph input here, not a linear head without a bias) may hold -inf.
+    marked = {n.meta[canonical.LEFT_ALONE]: n for n in gm.graph.nodes if n.meta.get(LEFT_ALONE)}
+    assert [n.target for n in marked.values()] == [canonical.SOFTMAX_ENTROPY] * 2, marked
+    assert _outputs(gm)["-(p * p.log()).sum(-1)"] is marked[rules._LOG_OF_SOFTMAX]
+    assert _outputs(gm)["Categorical entropy"] is marked[categorical.MAY_HOLD_MINUS_INF]
 
     # Lowering: each log-prob becomes a cross_entropy marked as such; an entropy whose rows
     # no cross_entropy reads gets one of its own.
@@ -235,7 +239,7 @@ def test_each_rule_rewrites_its_forms_and_leaves_near_forms_alone(captured):
     forms = [canonical.form(n) for n in gm.graph.nodes if n.target is F.cross_entropy]
     assert sorted(forms) == [canonical.ENTROPY] * 9 + [canonical.LOG_PROBS] * 14
     # (the marked entropy's loss carries the mark: its site is left alone, saying why)
-    assert sum(canonical.LEFT_ALONE in n.meta for n in gm.graph.nodes) == 2
+    assert sum(canonical.LEFT_ALONE in n.meta for n in gm.graph.nodes) == 4
     gm.graph.lint()
 
     # With no fused site, the journal puts the graph back as the user's code made it.
