@@ -141,6 +141,8 @@ def main() -> None:
         "wrapped": type(
             getattr(trainer.model_wrapped, "_orig_mod", trainer.model_wrapped)
         ).__name__,
+        # FSDP2: accelerate's [norm, lm_head] unit, or lm_head in the root (cce_compile's layout)
+        "lm_head_own_fsdp_unit": _own_fsdp_unit(trainer.model.get_output_embeddings()),
         "model": dict(
             vocab=cli.vocab,
             hidden=cli.hidden,
@@ -155,6 +157,12 @@ def main() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def _own_fsdp_unit(module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
 
 
 if __name__ == "__main__":

@@ -10,4 +10,10 @@ Each is opt-in and imports its stack only when used (``import cce_compile`` impo
   ``--experimental.custom_import cce_compile.integrations.torchtitan --model.name llama3_cce``;
   torchtitan 0.3.x's override ``--override.imports cce_compile.integrations.torchtitan.cce_loss``.
   docs/torchtitan.md.
+
+and one that ``cce_compile.enable()`` installs itself (``CCE_COMPILE=1`` included):
+
+* ``cce_compile.integrations.accelerate_fsdp2``: accelerate's FSDP2 preparation of a compiled
+  model keeps ``lm_head`` in the root unit, so that the head and the loss meet in one graph
+  (``uninstall()`` restores accelerate's own ``[norm, lm_head]`` unit). docs/distributed.md.
 """

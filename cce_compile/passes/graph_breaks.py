@@ -9,7 +9,7 @@ import re
 
 import torch
 
-from .report_types import GraphBreak, SiteReport, is_library_frame
+from .report_types import FSDP2_FIX, GraphBreak, SiteReport, is_library_frame
 
 
 def graph_break(gm: torch.fx.GraphModule) -> GraphBreak | None:
@@ -78,12 +78,13 @@ def blame_break(site: SiteReport, breaks: list[GraphBreak]) -> None:
             "torch._dynamo.config.ignore_logging_functions (cce_compile adds transformers' "
             "warning_once/info_once), or move it out of the forward"
         )
+    elif "fsdp" in text:
+        site.fix = FSDP2_FIX
     else:
         site.fix = (
             f"remove what breaks the graph at {cut.location}"
             + (f" ({cut.hint})" if cut.hint else "")
             + ", or compute the loss in the same compiled function as the head"
-            + (" (under FSDP2: cce_compile.distributed.deferred_head)" if "fsdp" in text else "")
         )
 
 

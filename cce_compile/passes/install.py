@@ -19,6 +19,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .. import config
+from ..integrations import accelerate_fsdp2
 from . import ddp_split, tracing
 from .graph_pass import CCEGraphPass, is_cce_pass
 
@@ -86,15 +87,18 @@ def _run_before_cache_lookup(on: bool) -> None:
 
 
 def enable() -> None:
-    """Install the pass for every ``torch.compile`` that uses Inductor (idempotent), and make
-    Dynamo ignore transformers' once-only logging calls (``tracing.py``). A bad setting in
-    the environment is raised here, in one line, rather than inside the first compile."""
+    """Install the pass for every ``torch.compile`` that uses Inductor (idempotent), make
+    Dynamo ignore transformers' once-only logging calls (``tracing.py``), and keep the head
+    of a compiled model in accelerate's FSDP2 root unit (``integrations/accelerate_fsdp2.py``).
+    A bad setting in the environment is raised here, in one line, rather than inside the first
+    compile."""
     config.get()
     if not enabled():
         _install([*_flatten(inductor_config.pre_grad_custom_pass), _PASS])
     _run_before_cache_lookup(True)
     tracing.install()
     ddp_split.install()
+    accelerate_fsdp2.install()  # the head in accelerate's FSDP2 root unit, with its loss
 
 
 def disable() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 import sysconfig
 
 from . import canonical
@@ -30,9 +31,7 @@ _FIX = {
     "logits die inside the graph (e.g. `lambda x, y: model(x, labels=y).loss`), or use the "
     "CCE_ESCAPING_LOGITS setting named above",
     GRAPH_BREAK: "remove the graph break between lm_head and the loss "
-    "(cce_compile.explain() shows where it is and what removes it); under FSDP2, whose hooks "
-    "cut the frame that holds the head, use cce_compile.distributed.deferred_head "
-    "(docs/distributed.md)",
+    "(cce_compile.explain() shows where it is and what removes it)",
     DTENSOR: "only a ColwiseParallel lm_head (weight Shard(0) on a 1-D mesh) with a "
     "cross_entropy over the whole vocabulary is fused; see docs/distributed.md",
     DISABLED: "unset CCE_DISABLE",
@@ -52,7 +51,31 @@ _LORA_ON_HEAD_FIX = (
     "if the addition is a LoRA adapter on lm_head (its low-rank branch), leave lm_head out of "
     "PEFT's target_modules (or train it whole with modules_to_save), docs/stacks.md"
 )
+# GRAPH_BREAK's fix in a process that uses FSDP2 (``fsdp2_in_use``): its hooks break the graph
+# at every fully_shard-ed module, so the usual suspects are a head with a unit of its own and a
+# loss computed outside the compiled frame that holds the head.
+FSDP2_FIX = (
+    "FSDP2's hooks break the graph at each fully_shard-ed module, so a head in an FSDP2 unit of "
+    "its own runs eagerly between two graphs: accelerate's FSDP2 makes one of [final norm, "
+    "lm_head], fully_shard([norm, output]) another. Keep the head in the root unit: under "
+    "accelerate, cce_compile does so when the pass is on before accelerator.prepare "
+    "(CCE_COMPILE=1 or cce_compile.enable()) and accelerate compiles the model "
+    "(TrainingArguments(torch_compile=True)); elsewhere, do not fully_shard the head apart "
+    "from the root. A head in the root unit whose loss is computed outside the model's "
+    "compiled forward: cce_compile.distributed.deferred_head (docs/distributed.md)"
+)
 _ADDITION = re.compile(r":\s*(aten\.add\b|<built-in function (iadd|add)>|(torch\.)?add\b)")
+
+
+def fsdp2_in_use() -> bool:
+    """Has this process fully_shard-ed a module (an FSDP2 state in torch's composable
+    registry)? Imports nothing."""
+    registry = sys.modules.get("torch.distributed._composable_state")
+    states = getattr(registry, "_module_state_mapping", None) or {}
+    try:
+        return any(type(ref()).__name__ == "FSDPState" for ref in list(states.values()))
+    except Exception:  # a torch whose registry differs: the usual fix
+        return False
 
 
 def _adds_to_the_logits(detail: str) -> bool:
@@ -242,6 +265,8 @@ def describe(found: Site | Rejection, rewritten: bool) -> SiteReport:
         # RL forms with no head in their graph (verl compiles its entropy alone): the user
         # wrote no loss there; said at INFO.
         result.quiet |= result.form != "cross-entropy" and found.reason in (GRAPH_BREAK, NO_HEAD)
+        if found.reason == GRAPH_BREAK and fsdp2_in_use():
+            result.fix = FSDP2_FIX
     elif not rewritten:
         result.reason, result.detail = DISABLED, DISABLED_DETAIL
     if isinstance(found, Site):
