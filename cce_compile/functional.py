@@ -98,7 +98,7 @@ def linear_cross_entropy(
         z_loss: adds ``z_loss * lse**2`` per non-ignored row, reduced like the loss (an
             unweighted mean over non-ignored rows for 'mean').
         return_lse: also return the per-row log-sum-exp of the (capped) logits, differentiable.
-        return_entropy: also return each row's entropy of the softmax, lse - sum_j p_j z_j
+        return_entropy: also return each row's entropy of the softmax, -sum_j p_j log p_j
             (float32), computed in the same pass; 0 at ignored rows. Differentiable (an RL
             entropy bonus): its gradient is computed in the backward's recompute.
         return_argmax: also return each row's first class of the largest logit (int64, as

@@ -194,7 +194,7 @@ def fast_fixed_bytes(problem: Problem, needs_classifier: bool = True, fused: boo
 
 # The RowStats extras (implementations.interface.EXTRA_STATS) fast mode's chunks compute; a
 # call asking for another row metric (log sum p^2, the mean logit) runs lean.
-FAST_EXTRA_STATS = frozenset({"mean_z", "argmax"})
+FAST_EXTRA_STATS = frozenset({"entropy", "argmax"})
 
 
 def fast_needs_whole_rows(*, softcap: bool, entropy: bool, argmax: bool, split: bool) -> bool:

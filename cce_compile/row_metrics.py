@@ -43,10 +43,10 @@ METRICS = (
         "entropy",
         torch.float32,
         0.0,
-        frozenset({"mean_z"}),
-        lambda stats, lse, vocab: lse - stats.mean_z,
+        frozenset({"entropy"}),
+        lambda stats, lse, vocab: stats.entropy,
         differentiable=True,
-        doc="-sum_j p_j log p_j = lse - sum_j p_j z_j, with its gradient",
+        doc="-sum_j p_j log p_j, with its gradient",
     ),
     RowMetric(
         "argmax",
@@ -86,6 +86,19 @@ def asked(args) -> tuple[RowMetric, ...]:
 def stats_needed(metrics: tuple[RowMetric, ...]) -> frozenset[str]:
     """The ``RowStats`` fields the metrics are computed from."""
     return frozenset().union(*(metric.stats for metric in metrics))
+
+
+def mixture_entropy(
+    part_lse: torch.Tensor, part_entropy: torch.Tensor, lse: torch.Tensor
+) -> torch.Tensor:
+    """Each row's entropy over classes split into parts (dim 0), from each part's lse and the
+    entropy of its own softmax: H = sum_k q_k (H_k + lse - lse_k), q_k = exp(lse_k - lse).
+
+    Every term is >= 0, so nothing cancels: lse - sum_j p_j z_j would subtract two terms of
+    the logits' size. A part of no mass (q_k = 0, lse_k = -inf) adds 0; a NaN stays NaN."""
+    gap = lse - part_lse
+    share = torch.exp(-gap)
+    return torch.where(share == 0, 0.0, share * (part_entropy + gap)).sum(0)
 
 
 def values(

@@ -315,3 +315,55 @@ def test_entropy_of_every_row_beside_a_loss_that_ignores_some(implementation, mo
     want = torch.autograd.grad(oracle(case) + (want_entropy * upstream.double()).sum(), leaves)
     for g, w in zip(got, want):
         assert rel_error(g, w) < GRAD_RTOL[torch.float32]
+
+
+def _offset_case(offset: float, gen: torch.Generator):
+    """Rows whose logits carry a constant offset each, from -offset to offset (hidden's first
+    feature times a classifier column of ones), on top of a random head's: the entropy does
+    not depend on the offset."""
+    rows, dim, vocab = 6, 16, 1000
+    hidden = torch.randn(rows, dim, generator=gen)
+    hidden[:, 0] = torch.linspace(-offset, offset, rows)
+    classifier = torch.randn(vocab, dim, generator=gen) * 3 / dim**0.5
+    classifier[:, 0] = 1.0
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    return hidden.to(DEVICE), classifier.to(DEVICE), targets.to(DEVICE)
+
+
+@pytest.mark.parametrize("offset", [160.0, 1400.0])
+@pytest.mark.parametrize("mode", ["lean", "fast"])
+def test_entropy_keeps_its_digits_under_large_logits(implementation, offset, mode):
+    """Each row's entropy and its gradient against float64, under logits of size ``offset``.
+    An entropy from lse - E_p[z] cancels two terms of that size (1.2e-3 off at 160, 8e-2 at
+    1400); one relative to the row's max errs only by what float32's rounding of the logits
+    themselves moves it: |dH| <= max_j |dz_j| sum_j p_j |log p_j + H|, dz_j one rounding of
+    z_j (eps |z_j|) plus the GEMM's (eps sum_d |h_d c_jd|), here times 4 for headroom. The
+    gradient -g p_j (log p_j + H) takes log p_j = z_j - lse and H from the forward, each off by
+    up to one rounding of the lse's size and that bound: row i's share of d/dh errs by at most
+    |g_i| 2 (eps |lse_i| + bound_i) max_j |c_j| beyond GRAD_RTOL."""
+    gen = torch.Generator().manual_seed(4)
+    hidden, classifier, targets = _offset_case(offset, gen)
+    hidden.requires_grad_()
+    loss, entropy = cce_compile.linear_cross_entropy(
+        hidden, classifier, targets, mode=mode, reduction="sum", return_entropy=True
+    )
+    h64 = hidden.detach().double().requires_grad_()
+    log_p = (h64 @ classifier.double().T).log_softmax(-1)
+    want = -(log_p.exp() * log_p).sum(-1)
+    with torch.no_grad():
+        eps = torch.finfo(torch.float32).eps
+        terms = h64.abs() @ classifier.double().abs().T  # >= |z|
+        spread = (log_p.exp() * (log_p + want[:, None]).abs()).sum(-1)
+        bound = 4 * eps * terms.amax(-1) * spread
+    error = (entropy.double() - want).abs()
+    assert torch.all(error <= bound), f"entropy: {error.max():.2e} (bound {bound.min():.2e})"
+    upstream = torch.linspace(-1, 1, entropy.numel(), device=DEVICE)
+    (got,) = torch.autograd.grad(loss * 0 + (entropy * upstream).sum(), hidden)
+    (grad64,) = torch.autograd.grad((want * upstream.double()).sum(), h64)
+    with torch.no_grad():
+        lse = (h64 @ classifier.double().T).logsumexp(-1)
+        widest = classifier.double().norm(dim=-1).max()
+        row_bounds = upstream.double().abs() * 2 * (eps * lse.abs() + bound) * widest
+        grad_bound = GRAD_RTOL[torch.float32] * grad64.norm() + row_bounds.norm()
+    error = (got.double() - grad64).norm()
+    assert error <= grad_bound, f"hidden's gradient: {error:.2e} > {grad_bound:.2e}"

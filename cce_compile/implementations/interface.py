@@ -67,7 +67,7 @@ class RowStats:
     wsum: torch.Tensor | None  # (N,) float32 sum_j w_j z_ij, with label smoothing only
     block_lse: torch.Tensor | None = None  # (blocks, N) per block of classes (filtering.py)
     # The extras (EXTRA_STATS), each only where asked for:
-    mean_z: torch.Tensor | None = None  # (N,) float32 sum_j p_j z_ij
+    entropy: torch.Tensor | None = None  # (N,) float32 -sum_j p_ij log p_ij
     argmax: torch.Tensor | None = None  # (N,) int64 first class of the largest logit
     lse_2z: torch.Tensor | None = None  # (N,) float32 logsumexp_j 2 z_ij
     zsum: torch.Tensor | None = None  # (N,) float32 sum_j z_ij (unweighted)
@@ -75,7 +75,7 @@ class RowStats:
 
 # The RowStats fields an implementation computes only when a call names them ("extras"; fast
 # mode computes policy.FAST_EXTRA_STATS of them).
-EXTRA_STATS = frozenset({"mean_z", "argmax", "lse_2z", "zsum"})
+EXTRA_STATS = frozenset({"entropy", "argmax", "lse_2z", "zsum"})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

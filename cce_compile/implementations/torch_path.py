@@ -32,7 +32,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .. import filtering
+from .. import filtering, row_metrics
 from ..loss_math import LossSpec, RowTargets, finish_loss, row_coefficients
 from ..policy import FAST_EXTRA_STATS, cpu_chunk_rows
 from .interface import (
@@ -140,17 +140,17 @@ def _tile_lse_(z: torch.Tensor) -> torch.Tensor:
 
 
 class _Extras:
-    """The per-row statistics beyond the lse that a call asks for (``RowStats``' ``mean_z``,
+    """The per-row statistics beyond the lse that a call asks for (``RowStats``' ``entropy``,
     ``argmax``, ``lse_2z``, ``zsum``: the op's row metrics), combined over a row's slabs of
-    classes: each slab gives the mean under its own softmax, weighted by its share
-    exp(lse_slab - lse) of the row's; its first largest logit, which a later slab replaces only
+    classes: each slab gives the entropy of its own softmax, combined with its lse
+    (``row_metrics.mixture_entropy``); its first largest logit, which a later slab replaces only
     if larger; its logsumexp of 2 z and its plain sum, added."""
 
     def __init__(self, n_rows: int, device: torch.device, wanted: frozenset[str]):
         def empty(name, dtype=torch.float32):
             return torch.empty(n_rows, dtype=dtype, device=device) if name in wanted else None
 
-        self.mean_z, self.lse = empty("mean_z"), empty("mean_z")  # lse: of the slabs so far
+        self.entropy, self.lse = empty("entropy"), empty("entropy")  # lse: of the slabs so far
         self.argmax, self.top = empty("argmax", torch.int64), empty("argmax")
         self.lse_2z, self.zsum = empty("lse_2z"), empty("zsum")
 
@@ -158,8 +158,8 @@ class _Extras:
         """One tile's logits, left intact (``col_start`` 0: its row block's first slab)."""
         r0, r1 = rows
         first = col_start == 0
-        if self.mean_z is not None:
-            self._add_mean(z, self.mean_z[r0:r1], self.lse[r0:r1], first=first)
+        if self.entropy is not None:
+            self._add_entropy(z, self.entropy[r0:r1], self.lse[r0:r1], first=first)
         if self.argmax is not None:
             top, index = z.max(dim=-1)  # the first of tied largest logits, as argmax
             if first:
@@ -184,22 +184,27 @@ class _Extras:
     def stats_into(self, stats: RowStats) -> RowStats:
         """``stats`` with these statistics filled in."""
         return dataclasses.replace(
-            stats, mean_z=self.mean_z, argmax=self.argmax, lse_2z=self.lse_2z, zsum=self.zsum
+            stats, entropy=self.entropy, argmax=self.argmax, lse_2z=self.lse_2z, zsum=self.zsum
         )
 
     @staticmethod
-    def _add_mean(z, mean_z, lse, first: bool) -> None:
+    def _add_entropy(z, entropy, lse, first: bool) -> None:
+        # log s - sum_j e^(z_j - m) (z_j - m) / s against the slab's max m: no term of the
+        # logits' size, so large logits lose no digits (lse - sum_j p_j z_j would cancel two).
         top = _row_max(z)
-        p = _exp_(z - top[:, None])  # unnormalised
+        shifted = z - top[:, None]
+        p = _exp_(shifted.clone())  # unnormalised
         total = p.sum(dim=-1)
-        mean = torch.linalg.vecdot(p, z).div_(total)
-        slab_lse = total.log_().add_(top)
+        log_total = total.log()
+        slab_entropy = log_total - torch.linalg.vecdot(p, shifted).div_(total)
+        slab_lse = log_total.add_(top)
         if first:
-            mean_z.copy_(mean)
+            entropy.copy_(slab_entropy)
             lse.copy_(slab_lse)
             return
         new_lse = torch.logaddexp(lse, slab_lse)
-        mean_z.mul_((lse - new_lse).exp_()).add_(mean.mul_((slab_lse - new_lse).exp_()))
+        parts = (torch.stack((lse, slab_lse)), torch.stack((entropy, slab_entropy)))
+        entropy.copy_(row_metrics.mixture_entropy(*parts, new_lse))
         lse.copy_(new_lse)
 
 

@@ -101,7 +101,7 @@ class _PositionCoefficients:
 class _FastBuffers:
     """Fast mode's buffers, filled chunk by chunk of positions: the float32 logits and their
     gradient over their own memory (or, fused, the gradient, its tile maxima and the rows'
-    partial lse per tile), each position's lse, target logit, wsum (and mean logit, argmax
+    partial lse per tile), each position's lse, target logit, wsum (and entropy, argmax
     where asked), and the gradients for a unit upstream gradient."""
 
     def __init__(
@@ -162,7 +162,7 @@ class _FastBuffers:
         lse = torch.empty(n_positions, dtype=torch.float32, device=device)
         wsum = torch.empty_like(lse) if head.spec.needs_wsum else None
         self.stats = (lse, torch.empty_like(lse), wsum)  # lse, target logit, wsum
-        self.mean_z = torch.empty_like(lse) if "mean_z" in extras else None
+        self.entropy = torch.empty_like(lse) if "entropy" in extras else None
         self.argmax = torch.empty_like(lse, dtype=torch.int64) if "argmax" in extras else None
 
     def _logit_buffers(self, rows: int, vocab: int, work_dtype, device):
@@ -187,7 +187,7 @@ class _FastBuffers:
         the rest were not computed)."""
         lse, target_logit, wsum = self.stats
         self.stats = (lse[:n], target_logit[:n], shared.part(wsum, 0, n))
-        self.mean_z, self.argmax = shared.part(self.mean_z, 0, n), shared.part(self.argmax, 0, n)
+        self.entropy, self.argmax = shared.part(self.entropy, 0, n), shared.part(self.argmax, 0, n)
         self.grad_positions = shared.part(self.grad_positions, 0, n)
 
     def fused_parts(self, n: int) -> tuple:
@@ -201,7 +201,7 @@ class _FastBuffers:
         return dict(
             grad=self.grad[: stop - start],
             out=tuple(shared.part(s, start, stop) for s in self.stats),
-            mean_z_out=shared.part(self.mean_z, start, stop),
+            entropy_out=shared.part(self.entropy, start, stop),
             argmax_out=shared.part(self.argmax, start, stop),
         )
 
@@ -231,7 +231,7 @@ class _FastBuffers:
             lse,
             target_logit,
             wsum,
-            mean_z=shared.rows_of(layout, self.mean_z),
+            entropy=shared.rows_of(layout, self.entropy),
             argmax=shared.rows_of(layout, self.argmax),
         )
         if self.grad_positions is not None:
@@ -305,7 +305,7 @@ class _FastRun:
         # statistics.
         whole_rows = policy.fast_needs_whole_rows(
             softcap=bool(head.spec.softcap),
-            entropy="mean_z" in extras,
+            entropy="entropy" in extras,
             argmax="argmax" in extras,
             split=split is not None,
         )

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from .. import filtering, policy
+from .. import filtering, policy, row_metrics
 from ..kernels.common import RowLayout, TileConfig, check_operands, row_layout
 from ..kernels.kept_first import kept_first as kept_first  # the op calls it on this module
 from ..kernels.logit_grad import logit_grad
@@ -70,12 +70,12 @@ def _tile_width(columns: int, tile: int, vocab: int) -> int:
 @dataclasses.dataclass
 class _Partials:
     """``lse_forward``'s per-program partials of each row, (programs, N): the lse, and where
-    asked the (weighted) sum of logits, the mean logit under the program's softmax, the largest
+    asked the (weighted) sum of logits, the entropy of the program's softmax, the largest
     logit with its first class (int32), and the logsumexp of 2 z."""
 
     lse: torch.Tensor
     wsum: torch.Tensor | None
-    mean_z: torch.Tensor | None
+    entropy: torch.Tensor | None
     top: tuple[torch.Tensor, torch.Tensor] | None
     lse_2z: torch.Tensor | None
 
@@ -93,14 +93,14 @@ class _Partials:
         if "argmax" in extras:
             top = (torch.empty_like(lse), torch.empty_like(lse, dtype=torch.int32))
         return _Partials(
-            lse, torch.empty_like(lse) if wsum else None, like("mean_z"), top, like("lse_2z")
+            lse, torch.empty_like(lse) if wsum else None, like("entropy"), top, like("lse_2z")
         )
 
     def outputs(self, first: int, last: int, target_logit: torch.Tensor) -> dict:
         """``lse_forward``'s output arguments for the programs [first, last)."""
         return dict(
             out=(self.lse[first:last], target_logit, shared.part(self.wsum, first, last)),
-            mean_z_out=shared.part(self.mean_z, first, last),
+            entropy_out=shared.part(self.entropy, first, last),
             argmax_out=None if self.top is None else tuple(t[first:last] for t in self.top),
             lse_2z_out=shared.part(self.lse_2z, first, last),
         )
@@ -116,8 +116,8 @@ class _Partials:
         lse = torch.logsumexp(self.lse, dim=0)
         stats = RowStats(lse, target_logit, total if sums[0] else None, blocks)
         stats.zsum = total if sums[1] else None
-        if self.mean_z is not None:  # each program's mean weighted by its share of the mass
-            stats.mean_z = (torch.exp(self.lse - lse) * self.mean_z).sum(0)
+        if self.entropy is not None:
+            stats.entropy = row_metrics.mixture_entropy(self.lse, self.entropy, lse)
         if self.top is not None:  # the first program holding the row's largest logit
             top, arg = self.top
             program = top.argmax(0, keepdim=True)

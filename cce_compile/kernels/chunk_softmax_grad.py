@@ -44,7 +44,7 @@ def _chunk_softmax_grad_kernel(
     lse_row,  # (n,) float32: written by pass 1, or read (GIVEN_LSE)
     target_out,
     wsum_out,
-    mean_z_out,
+    entropy_out,
     argmax_out,
     vocab,
     stride_row,
@@ -56,7 +56,7 @@ def _chunk_softmax_grad_kernel(
     HAS_WEIGHTS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
-    NEEDS_MEAN_Z: tl.constexpr,
+    NEEDS_ENTROPY: tl.constexpr,
     NEEDS_ARGMAX: tl.constexpr,
     GIVEN_LSE: tl.constexpr,  # no pass 1: the row's lse is read from lse_row
     STATS_ONLY: tl.constexpr,  # no pass 2: the statistics only, no gradient
@@ -117,7 +117,7 @@ def _chunk_softmax_grad_kernel(
         c_p, c_t, c_w, active = row_coefficients(
             row, lse, p_base, p_per_lse, coef_t, coef_w, HAS_Z_LOSS
         )
-        mean_z_acc = tl.zeros((BLOCK,), tl.float32)
+        entropy_acc = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, vocab, BLOCK):
             cols = start + offs
             ok = cols < vocab
@@ -126,8 +126,8 @@ def _chunk_softmax_grad_kernel(
                 y += tl.load(bias + cols, mask=ok, other=0.0).to(tl.float32)
             z = cap_logits(y, logit_scale, softcap, HAS_SOFTCAP)
             p = tl.exp(z - lse)
-            if NEEDS_MEAN_Z:
-                mean_z_acc += tl.where(ok, p * z, 0.0)
+            if NEEDS_ENTROPY:  # -p log p with log p = z - lse: no term of the logits' size
+                entropy_acc += tl.where(ok, p * (lse - z), 0.0)
             g = c_p * p - tl.where(cols == tgt, c_t, 0.0)
             if HAS_SMOOTHING:
                 if HAS_WEIGHTS:
@@ -141,8 +141,8 @@ def _chunk_softmax_grad_kernel(
             g = tl.where(active, g, 0.0)
             tl.debug_barrier()  # every read of this block before any write over it
             tl.store(grad_ptr + cols, g.to(grad.dtype.element_ty), mask=ok)
-        if NEEDS_MEAN_Z:  # sum_j p_j z_j: the entropy is lse minus it
-            tl.store(mean_z_out + row, tl.sum(mean_z_acc, axis=0))
+        if NEEDS_ENTROPY:
+            tl.store(entropy_out + row, tl.sum(entropy_acc, axis=0))
 
 
 def chunk_softmax_grad(
@@ -160,7 +160,7 @@ def chunk_softmax_grad(
     bias: torch.Tensor | None = None,
     grad: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
-    mean_z_out: torch.Tensor | None = None,
+    entropy_out: torch.Tensor | None = None,
     argmax_out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     block: int = 4096,
@@ -176,12 +176,11 @@ def chunk_softmax_grad(
     that is not among these classes (no one-hot term); the coefficient vectors are float32 (n,).
     ``out``: contiguous float32 (n,) buffers to write lse, target logit and wsum into (wsum
     None without smoothing), so that a caller filling a longer vector chunk by chunk needs no
-    copies. ``mean_z_out`` (n,) float32: also each row's mean logit under its softmax,
-    sum_j p_j z_j (the entropy is lse minus it); ``argmax_out`` (n,) int64: also each row's
-    first largest logit's class.
+    copies. ``entropy_out`` (n,) float32: also each row's entropy, sum_j p_j (lse - z_j);
+    ``argmax_out`` (n,) int64: also each row's first largest logit's class.
     ``lse`` (n,) float32: each row's log-sum-exp, given (a vocabulary split over ranks: the
     whole vocabulary's; module docstring): pass 1 is skipped, nothing but the gradient is
-    written (``out``, ``mean_z_out``, ``argmax_out`` must be None), and the return value is
+    written (``out``, ``entropy_out``, ``argmax_out`` must be None), and the return value is
     (lse, None, None).
     """
     n_rows, vocab = logits.shape
@@ -192,14 +191,14 @@ def chunk_softmax_grad(
     if p_per_lse is not None:
         vectors["p_per_lse"] = p_per_lse
     if lse is not None:
-        if out is not None or mean_z_out is not None or argmax_out is not None:
-            raise ValueError("with a given lse, out, mean_z_out and argmax_out must be None")
+        if out is not None or entropy_out is not None or argmax_out is not None:
+            raise ValueError("with a given lse, out, entropy_out and argmax_out must be None")
         vectors["lse"] = lse
     for name, t in vectors.items():
         _check_row_vector(name, t, n_rows, torch.float32)
     stats = (lse, None, None) if lse is not None else _row_stats_out(out, logits, smoothing)
     for name, t, dtype in (
-        ("mean_z_out", mean_z_out, torch.float32),
+        ("entropy_out", entropy_out, torch.float32),
         ("argmax_out", argmax_out, torch.int64),
     ):
         if t is not None:
@@ -214,7 +213,7 @@ def chunk_softmax_grad(
         bias,
         (p_base, p_per_lse, coef_t, coef_w),
         stats,
-        (mean_z_out, argmax_out),
+        (entropy_out, argmax_out),
         scalars=(logit_scale, softcap),
         smoothing=smoothing,
         given_lse=lse is not None,
@@ -333,7 +332,7 @@ def _launch(
     that the flags keep the kernel from reading."""
     p_base, p_per_lse, coef_t, coef_w = coefs
     lse, target_logit, wsum = stats
-    mean_z_out, argmax_out = extras
+    entropy_out, argmax_out = extras
     logit_scale, softcap = scalars
     block, num_warps = launch
     n_rows, vocab = logits.shape
@@ -350,7 +349,7 @@ def _launch(
         lse,
         target_logit if target_logit is not None else lse,
         wsum if wsum is not None else lse,
-        mean_z_out if mean_z_out is not None else lse,
+        entropy_out if entropy_out is not None else lse,
         argmax_out if argmax_out is not None else targets,
         vocab,
         logits.stride(0),
@@ -362,7 +361,7 @@ def _launch(
         HAS_WEIGHTS=class_weights is not None,
         HAS_SMOOTHING=smoothing,
         HAS_Z_LOSS=p_per_lse is not None,
-        NEEDS_MEAN_Z=mean_z_out is not None,
+        NEEDS_ENTROPY=entropy_out is not None,
         NEEDS_ARGMAX=argmax_out is not None,
         GIVEN_LSE=given_lse,
         STATS_ONLY=stats_only,

@@ -7,7 +7,7 @@ and writes the log-sum-exp of its classes into ``partial_lse[vocab_group, row]``
 over vocab blocks (in the caller) gives the row's lse: no locks and no atomics, so the result
 is deterministic. The program whose tile holds a row's target writes that target logit (one
 writer per row). With label smoothing it also writes the tile's sum_j w_j z_ij; where asked, the
-mean logit under its softmax, its largest logit and first class, and logsumexp_j 2 z_ij (the
+entropy of its classes' softmax, its largest logit and first class, and logsumexp_j 2 z_ij (the
 row metrics' sources, row_metrics.py).
 
 Bytes: hidden and classifier are read once per tile from L2 (grouped ordering keeps GROUP_N row
@@ -44,7 +44,7 @@ def _lse_forward_kernel(
     partial_lse,
     partial_wsum,
     target_logit,
-    partial_mean_z,
+    partial_entropy,
     partial_max,
     partial_argmax,
     partial_lse_2z,
@@ -67,7 +67,7 @@ def _lse_forward_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     NEEDS_WSUM: tl.constexpr,
-    NEEDS_MEAN_Z: tl.constexpr,
+    NEEDS_ENTROPY: tl.constexpr,
     NEEDS_ARGMAX: tl.constexpr,
     NEEDS_LSE_2Z: tl.constexpr,
     SKIP_IGNORED: tl.constexpr,
@@ -99,8 +99,8 @@ def _lse_forward_kernel(
             )
             if NEEDS_WSUM:
                 tl.store(partial_wsum + out_off, tl.zeros((BLOCK_N,), tl.float32), mask=valid)
-            if NEEDS_MEAN_Z:
-                tl.store(partial_mean_z + out_off, tl.zeros((BLOCK_N,), tl.float32), mask=valid)
+            if NEEDS_ENTROPY:
+                tl.store(partial_entropy + out_off, tl.zeros((BLOCK_N,), tl.float32), mask=valid)
             if NEEDS_ARGMAX:
                 tl.store(
                     partial_max + out_off,
@@ -121,7 +121,9 @@ def _lse_forward_kernel(
     run_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     run_sum = tl.zeros((BLOCK_N,), tl.float32)
     run_wsum = tl.zeros((BLOCK_N,), tl.float32)
-    run_zsum = tl.zeros((BLOCK_N,), tl.float32)  # sum_j exp(z_j - run_max) z_j (entropy)
+    # sum_j exp(z_j - run_max) (z_j - run_max), the entropy's: relative to the max, so no term
+    # is of the logits' size (sum_j p_j z_j's would cancel against the lse). Unnormalised.
+    run_plogp = tl.zeros((BLOCK_N,), tl.float32)
     run_arg = tl.zeros((BLOCK_N,), tl.int32)  # first column of the running max
     run_sq = tl.zeros((BLOCK_N,), tl.float32)  # sum_j exp(2 (z_j - run_max))
     for j in range(TILES):
@@ -167,10 +169,12 @@ def _lse_forward_kernel(
             offset = tl.where(new_max == float("-inf"), 0.0, new_max)
             rescale = tl.exp(run_max - offset)
             exp_z = tl.exp(z - offset[:, None])
+            if NEEDS_ENTROPY:  # p (z - m) -> 0 as z -> -inf; a move of the max m by d <= 0
+                # turns the old sum into rescale * (sum + d * run_sum) (0 while run_sum is 0)
+                moved = tl.where(run_sum == 0.0, 0.0, run_max - offset)
+                weighted = tl.where(z == float("-inf"), 0.0, exp_z * (z - offset[:, None]))
+                run_plogp = (run_plogp + moved * run_sum) * rescale + tl.sum(weighted, axis=1)
             run_sum = run_sum * rescale + tl.sum(exp_z, axis=1)
-            if NEEDS_MEAN_Z:  # p z -> 0 as z -> -inf
-                weighted = tl.where(z == float("-inf"), 0.0, exp_z * z)
-                run_zsum = run_zsum * rescale + tl.sum(weighted, axis=1)
             if NEEDS_LSE_2Z:  # exp(2 (z - m)) = exp(z - m)^2: no second exponential
                 run_sq = run_sq * (rescale * rescale) + tl.sum(exp_z * exp_z, axis=1)
             run_max = new_max
@@ -191,8 +195,8 @@ def _lse_forward_kernel(
     tl.store(partial_lse + out_off, run_max + tl.log(run_sum), mask=valid)
     if NEEDS_WSUM:
         tl.store(partial_wsum + out_off, run_wsum, mask=valid)
-    if NEEDS_MEAN_Z:  # the mean logit under this program's classes' softmax
-        tl.store(partial_mean_z + out_off, run_zsum / run_sum, mask=valid)
+    if NEEDS_ENTROPY:  # the entropy of this program's classes' softmax (NaN if no mass)
+        tl.store(partial_entropy + out_off, tl.log(run_sum) - run_plogp / run_sum, mask=valid)
     if NEEDS_ARGMAX:
         tl.store(partial_max + out_off, run_max, mask=valid)
         tl.store(partial_argmax + out_off, run_arg, mask=valid)
@@ -221,14 +225,15 @@ def lse_forward(
     config: TileConfig | None = None,
     col_start: int = 0,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
-    mean_z_out: torch.Tensor | None = None,
+    entropy_out: torch.Tensor | None = None,
     argmax_out: tuple[torch.Tensor, torch.Tensor] | None = None,
     lse_2z_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Partial lse (vocab_blocks, N), target logit (N,) and partial sum_j w_j z_ij or None.
 
-    ``mean_z_out`` (vocab_blocks, N) float32: also each program's mean logit under its
-    classes' softmax, sum_j p_j z_j (the entropy's term; 0 where a tile was skipped).
+    ``entropy_out`` (vocab_blocks, N) float32: also the entropy of each program's classes'
+    softmax, to combine with ``partial_lse`` (``row_metrics.mixture_entropy``; 0 where a tile
+    was skipped, NaN where its classes have no mass: their partial lse is -inf).
     ``argmax_out`` ((vocab_blocks, N) float32, (vocab_blocks, N) int32): also each program's
     largest logit and its first class (a column of the whole vocabulary).
     ``lse_2z_out`` (vocab_blocks, N) float32: also each program's logsumexp_j 2 z_ij.
@@ -269,7 +274,7 @@ def lse_forward(
             ):
                 raise ValueError(f"out {name} must be contiguous float32 {shape}")
     for name, t, dtype in (
-        ("mean_z_out", mean_z_out, torch.float32),
+        ("entropy_out", entropy_out, torch.float32),
         ("argmax_out max", None if argmax_out is None else argmax_out[0], torch.float32),
         ("argmax_out index", None if argmax_out is None else argmax_out[1], torch.int32),
         ("lse_2z_out", lse_2z_out, torch.float32),
@@ -294,7 +299,7 @@ def lse_forward(
         partial_lse,
         partial_wsum if partial_wsum is not None else partial_lse,
         target_logit,
-        mean_z_out if mean_z_out is not None else partial_lse,
+        entropy_out if entropy_out is not None else partial_lse,
         argmax_out[0] if argmax_out is not None else partial_lse,
         argmax_out[1] if argmax_out is not None else partial_lse,
         lse_2z_out if lse_2z_out is not None else partial_lse,
@@ -314,7 +319,7 @@ def lse_forward(
         *targets.stride(),
         HAS_WEIGHTS=class_weights is not None,
         NEEDS_WSUM=needs_wsum,
-        NEEDS_MEAN_Z=mean_z_out is not None,
+        NEEDS_ENTROPY=entropy_out is not None,
         NEEDS_ARGMAX=argmax_out is not None,
         NEEDS_LSE_2Z=lse_2z_out is not None,
         SKIP_IGNORED=skip_ignored_tiles,
