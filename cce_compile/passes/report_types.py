@@ -12,6 +12,7 @@ import sysconfig
 
 from . import canonical
 from . import predicates as p
+from .categorical import MAY_HOLD_MINUS_INF
 from .verdicts import (
     DISABLED,
     DISABLED_DETAIL,
@@ -106,6 +107,8 @@ class SiteReport:
         if self.fix:
             return self.fix
         usual = _FIX.get(self.reason, "")
+        if self.reason == INEXACT_FORM and MAY_HOLD_MINUS_INF in self.detail:
+            return ""  # the detail says what to change; the usual fix is softmax(z).log()'s
         if self.reason == UNSUPPORTED_OP and _adds_to_the_logits(self.detail):
             return f"{usual}; {_LORA_ON_HEAD_FIX}"
         return usual
