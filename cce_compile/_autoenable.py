@@ -29,11 +29,8 @@ never fails, and nothing prints a traceback.
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
-import sys
 
-from . import config
+from . import config, import_hooks
 
 
 def _enable_or_exit() -> None:
@@ -78,28 +75,6 @@ def _wrap_compile(torch) -> None:
     torch.compile = compile
 
 
-class _AfterTorchImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps torch's loader so that torch.compile is wrapped right after
-    torch loads."""
-
-    def find_spec(self, name, path, target=None):
-        if name != "torch":
-            return None
-        sys.meta_path.remove(self)  # one shot, and no recursion below
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        original_exec = loader.exec_module
-
-        def exec_module(module):
-            original_exec(module)
-            _wrap_compile(module)
-
-        loader.exec_module = exec_module
-        return spec
-
-
 def install() -> None:
     """Wrap torch.compile (now, or when torch is imported) if CCE_COMPILE asks for the hook.
     A bad value, CCE_COMPILE's own included, is left for the first torch.compile to stop on."""
@@ -110,10 +85,7 @@ def install() -> None:
             return
     except config.SettingsError:
         pass
-    if "torch" in sys.modules:
-        _wrap_compile(sys.modules["torch"])
-    elif not any(isinstance(f, _AfterTorchImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterTorchImport())
+    import_hooks.after_import("torch", _wrap_compile)
     # TRL 1.16's trainers build no logits: their fused head gets the op when TRL's trainer
     # utilities load (docs/trl.md). A bad setting stops there, as at the first compile.
     try:

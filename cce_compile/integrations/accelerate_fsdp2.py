@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.abc
-import importlib.machinery
 import logging
 import sys
 from collections.abc import Iterator
 from typing import Any
+
+from .. import import_hooks
 
 log = logging.getLogger("cce_compile")
 
@@ -54,16 +54,12 @@ kept_in_root = 0
 def install() -> None:
     """Wrap accelerate's FSDP2 preparation (now, or when ``accelerate.accelerator`` is
     imported); idempotent. Imports nothing itself."""
-    module = sys.modules.get(_MODULE)
-    if module is not None:
-        _wrap(module)
-    elif not any(isinstance(finder, _AfterAcceleratorImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _AfterAcceleratorImport())
+    import_hooks.after_import(_MODULE, _wrap)
 
 
 def uninstall() -> None:
     """accelerate's own ``fsdp2_prepare_model`` again (its ``[norm, lm_head]`` unit)."""
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterAcceleratorImport)]
+    import_hooks.cancel(_MODULE, _wrap)
     module = sys.modules.get(_MODULE)
     prepare = getattr(module, _GLOBAL, None)
     if getattr(prepare, _MARK, False):
@@ -160,25 +156,3 @@ def _check_still_tied(model: Any) -> None:
             "preparation untied; call cce_compile.integrations.accelerate_fsdp2.uninstall() "
             "before accelerator.prepare to keep accelerate's own layout"
         )
-
-
-class _AfterAcceleratorImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps ``fsdp2_prepare_model`` right after accelerate's
-    ``accelerator`` module loads."""
-
-    def find_spec(self, name, path, target=None):
-        if name != _MODULE:
-            return None
-        sys.meta_path.remove(self)  # one shot, and no recursion below
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        original_exec = loader.exec_module
-
-        def exec_module(module):
-            original_exec(module)
-            _wrap(module)
-
-        loader.exec_module = exec_module
-        return spec

@@ -52,6 +52,8 @@ import math
 import sys
 from typing import TYPE_CHECKING
 
+from .. import import_hooks
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -403,13 +405,10 @@ def install_on_import() -> None:
     integration refuses, or any other error, is one WARNING line and leaves TRL's own kernel; a
     bad CCE_* setting stops the program with its one line (SystemExit), as the start-up hook's
     first torch.compile does. Imports neither torch nor TRL itself."""
-    if _UTILS in sys.modules:
-        _install_or_warn()
-    elif not any(isinstance(finder, _AfterTRLUtilsImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _AfterTRLUtilsImport())
+    import_hooks.after_import(_UTILS, _install_or_warn)
 
 
-def _install_or_warn() -> None:
+def _install_or_warn(_utils=None) -> None:
     from .. import config
 
     try:
@@ -427,30 +426,3 @@ def _install_or_warn() -> None:
             type(error).__name__,
             error,
         )
-
-
-class _AfterTRLUtilsImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: takes the spec the other finders give ``trl.trainer.utils`` and
-    wraps its loader so that ``install()`` runs right after the module's code (the global it
-    replaces is bound by then). One shot."""
-
-    def find_spec(self, name, path, target=None):
-        if name != _UTILS:
-            return None
-        sys.meta_path.remove(self)  # one shot, and no recursion below
-        spec = None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            spec = find(name, path, target) if find is not None else None
-            if spec is not None:
-                break
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        original_exec = spec.loader.exec_module
-
-        def exec_module(module):
-            original_exec(module)
-            _install_or_warn()
-
-        spec.loader.exec_module = exec_module
-        return spec

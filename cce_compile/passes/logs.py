@@ -21,10 +21,10 @@ that the user did not ask for, once per site, as a warning.
 from __future__ import annotations
 
 import dataclasses
-import importlib.abc
-import importlib.machinery
 import logging
 import sys
+
+from .. import import_hooks
 
 ALIAS = "cce"
 LOGGER = "cce_compile"
@@ -38,33 +38,13 @@ def register() -> None:
     sys.modules[_TORCH_LOGGING + "._internal"].register_log(ALIAS, LOGGER)
 
 
-class _AfterTorchLogging(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; registers ``cce`` right after ``torch._logging`` loads, which is
-    before ``import torch`` parses ``TORCH_LOGS``."""
-
-    def find_spec(self, name, path, target=None):
-        if name != _TORCH_LOGGING:
-            return None
-        sys.meta_path.remove(self)  # one shot, and no recursion below
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        original_exec = spec.loader.exec_module
-
-        def exec_module(module):
-            original_exec(module)
-            register()
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 def register_before_torch() -> None:
     """Register ``cce`` when torch loads (now, if it has): for ``TORCH_LOGS=cce`` at start-up."""
-    if _TORCH_LOGGING in sys.modules:
-        register()
-    elif not any(isinstance(f, _AfterTorchLogging) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterTorchLogging())
+    import_hooks.after_import(_TORCH_LOGGING, _register_on)
+
+
+def _register_on(_module) -> None:
+    register()
 
 
 def rewritten_graph(graph) -> None:
