@@ -40,7 +40,8 @@ def _enable_or_exit() -> None:
         enable()
     except config.SettingsError as error:
         raise SystemExit(
-            f"cce_compile: {error}; CCE_COMPILE=1 stops here rather than compile without the pass"
+            f"cce_compile: {error}; the start-up hook (CCE_COMPILE) stops here rather than "
+            "compile without the pass"
         ) from None
     except Exception as error:
         raise SystemExit(
