@@ -43,7 +43,8 @@ def unclamped(node: Any) -> tuple[Any, str | None]:
     -inf becomes the least float, so that a class of logit -inf adds 0 and not ``0 * -inf``);
     why is None where the logits ``x`` is normalised from cannot hold -inf (``finite_logits``):
     there the clamp changes nothing. Elsewhere it is why the entropy is left alone
-    (``canonical.LEFT_ALONE``): the op's entropy is NaN at a -inf logit. (node, None) for any
+    (``canonical.LEFT_ALONE``): at a -inf logit the op's entropy is NaN on the CPU path, and its
+    gradient NaN on the GPU path. (node, None) for any
     other node."""
     named = CLAMP.args(node)
     value = p.tensor_value(node)
@@ -61,10 +62,10 @@ def unclamped(node: Any) -> tuple[Any, str | None]:
 MAY_HOLD_MINUS_INF = (
     "Categorical's entropy clamps its log-probabilities at the least float, so that a class "
     "of logit -inf (a masked class, e.g. a -inf in the head's bias) adds 0, where the op's "
-    "entropy is NaN, and these logits may hold -inf: they are not a linear head's without a "
-    "bias (scaled or softcapped). Where no logit is ever -inf, drop the bias or write the "
-    "entropy as -(d.probs * d.logits).sum(-1) (fused; NaN at a -inf logit, as in eager); "
-    "where classes are masked with -inf, d.entropy() stays as written"
+    "entropy (or, on a GPU, its gradient) is NaN, and these logits may hold -inf: they are "
+    "not a linear head's without a bias (scaled or softcapped). Where no logit is ever -inf, "
+    "drop the bias or write the entropy as -(d.probs * d.logits).sum(-1) (fused; NaN at a "
+    "-inf logit, as in eager); where classes are masked with -inf, d.entropy() stays as written"
 )
 
 
