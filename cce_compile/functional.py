@@ -165,7 +165,9 @@ def linear_log_probs(
         entropy = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
 
     with the temperature T after the softcap, as TRL and verl apply it (it folds exactly into
-    the op's scale and cap: softcap_c(s y) / T = softcap_{c/T}(s y / T)).
+    the op's scale and cap: softcap_c(s y) / T = softcap_{c/T}(s y / T)). A class of logit
+    -inf (a -inf bias) adds 0 log 0 = 0 to the entropy and nothing to its gradient, as
+    ``Categorical(logits=z).entropy()``, where the entropy line above is NaN.
 
     Args:
         hidden, classifier, targets, bias, ignore_index, shift, mode, compute_dtype: as in

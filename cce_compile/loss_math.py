@@ -28,6 +28,11 @@ the returned entropy H_i = -sum_j p_ij log p_ij, if any)::
 
 (dH_i / dz_ij = -p_ij (log p_ij + H_i); log p_ij = z_ij - lse_i is what the kernels already
 subtract before the exponential, so the entropy's term costs one multiply-add per logit.)
+
+A class of logit -inf (a masked class: a -inf bias) has p = 0 and adds 0 log 0 = 0 to H and 0
+to dz, on every path, as ``torch.distributions.Categorical``'s entropy (its clamp of log p at
+the least float), not eager's NaN of ``-(p * log_softmax(z)).sum(-1)``: log p is clamped at
+``LOG_P_FLOOR`` wherever it multiplies p.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ import math
 import torch
 
 REDUCTIONS = ("none", "mean", "sum")
+
+# log p below which p = exp(log p) is 0 in every float dtype (float64's last is exp(-745)):
+# clamping there changes no p, and keeps coef_e * log p finite where log p = -inf.
+LOG_P_FLOOR = -1.0e4
 
 
 def _finite(value: float) -> bool:

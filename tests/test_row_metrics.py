@@ -5,6 +5,7 @@ skipping ignored rows."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -367,3 +368,45 @@ def test_entropy_keeps_its_digits_under_large_logits(implementation, offset, mod
         grad_bound = GRAD_RTOL[torch.float32] * grad64.norm() + row_bounds.norm()
     error = (got.double() - grad64).norm()
     assert error <= grad_bound, f"hidden's gradient: {error:.2e} > {grad_bound:.2e}"
+
+
+@pytest.mark.parametrize("form", GRADIENT_FORMS.values(), ids=GRADIENT_FORMS.keys())
+def test_a_masked_class_adds_nothing_to_the_entropy(implementation, form):
+    """A class of logit -inf (a -inf in the head's bias) adds 0 log 0 = 0 to the entropy and
+    nothing to any gradient, on every path: Categorical(logits=z).entropy()'s values and
+    gradients in float64 (its clamp of log p), where -(p * log_softmax(z)).sum(-1) is NaN."""
+    reduction, mode = form
+    gen = torch.Generator().manual_seed(5)
+    rows, dim, vocab = 14, 12, 40
+    masked = [0, 3, 17, vocab - 1]  # tile edges included
+    hidden = torch.randn(rows, dim, generator=gen)
+    classifier = torch.randn(vocab, dim, generator=gen) / dim**0.5
+    bias = torch.randn(vocab, generator=gen)
+    bias[masked] = -math.inf
+    allowed = torch.tensor([j for j in range(vocab) if j not in masked])
+    targets = allowed[torch.randint(0, len(allowed), (rows,), generator=gen)]
+    targets[::4] = -100
+    leaves = [t.to(DEVICE).requires_grad_() for t in (hidden, classifier, bias)]
+    targets = targets.to(DEVICE)
+    hidden, classifier, bias = leaves
+    loss, entropy = cce_compile.linear_cross_entropy(
+        hidden, classifier, targets, bias, mode=mode, reduction=reduction, return_entropy=True
+    )
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    logits = torch.nn.functional.linear(*leaves64)
+    want_entropy = torch.distributions.Categorical(logits=logits).entropy()
+    valid = targets != -100
+    want_entropy = torch.where(valid, want_entropy, 0.0)
+    want_loss = torch.nn.functional.cross_entropy(logits, targets, reduction=reduction)
+    assert torch.isfinite(entropy).all(), entropy
+    assert_close("entropy", entropy, want_entropy.detach(), 1e-5, want_entropy.abs().max().item())
+    assert_close("loss", loss, want_loss.detach().float(), LOSS_RTOL[torch.float32])
+    upstream = torch.linspace(-1, 1, rows, device=DEVICE)
+    loss_up = upstream.flip(0) if reduction == "none" else torch.tensor(0.5, device=DEVICE)
+    got = torch.autograd.grad((loss * loss_up).sum() + (entropy * upstream).sum(), leaves)
+    want_total = (want_loss * loss_up.double()).sum() + (want_entropy * upstream.double()).sum()
+    want = torch.autograd.grad(want_total, leaves64)
+    for name, g, w in zip(("hidden", "classifier", "bias"), got, want):
+        assert torch.isfinite(g).all(), f"{name}: {g}"
+        error = rel_error(g, w)
+        assert error < GRAD_RTOL[torch.float32], f"{name}: {error:.2e}"

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 import torch
 
 from .. import filtering
-from ..loss_math import LossSpec, RowTargets, finish_loss, row_coefficients
+from ..loss_math import LOG_P_FLOOR, LossSpec, RowTargets, finish_loss, row_coefficients
 from ..policy import FAST_EXTRA_STATS, cpu_chunk_rows
 from .interface import (
     Coefficients,
@@ -55,7 +55,6 @@ TILE_ELEMENTS = 1 << 19
 # Slabs are whole blocks of gradient filtering's classes, so that a slab's per-block lse is
 # complete (filtering.py).
 SLAB_ALIGN = filtering.FILTER_BLOCK
-_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class _Rows:
@@ -212,8 +211,9 @@ def _grad_from_logits(
     if coefs.e is None:
         grad = exp_(log_p).mul_(coefs.p[:, None])
     else:  # the entropy's term: (coef_p + coef_e * log p) * p
-        # Clamped: a row without gradient has log p = -inf, and 0 * -inf would be NaN.
-        factor = log_p.clamp(min=-_FLOAT32_MAX).mul_(coefs.e[:, None]).add_(coefs.p[:, None])
+        # Clamped (loss_math.LOG_P_FLOOR): a -inf logit, or a row without gradient, has
+        # log p = -inf, and 0 * -inf would be NaN.
+        factor = log_p.clamp(min=LOG_P_FLOOR).mul_(coefs.e[:, None]).add_(coefs.p[:, None])
         grad = exp_(log_p).mul_(factor)
     return _finish_grad_(grad, tanh_grad, coefs, columns, w32, spec, keep)
 

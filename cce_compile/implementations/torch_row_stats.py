@@ -9,6 +9,7 @@ import math
 import torch
 
 from .. import row_metrics
+from ..loss_math import LOG_P_FLOOR
 from .interface import RowStats
 
 LOG2_E = 1.0 / math.log(2.0)
@@ -86,12 +87,14 @@ class RowExtras:
     def _add_entropy(z, entropy, lse, first: bool) -> None:
         # log s - sum_j e^(z_j - m) (z_j - m) / s against the slab's max m: no term of the
         # logits' size, so large logits lose no digits (lse - sum_j p_j z_j would cancel two).
+        # A -inf logit adds 0 log 0 = 0 (loss_math.LOG_P_FLOOR), not 0 * -inf.
         top = row_max(z)
         shifted = z - top[:, None]
         p = exp_(shifted.clone())  # unnormalised
         total = p.sum(dim=-1)
         log_total = total.log()
-        slab_entropy = log_total - torch.linalg.vecdot(p, shifted).div_(total)
+        weighted = torch.linalg.vecdot(p, shifted.clamp_(min=LOG_P_FLOOR))
+        slab_entropy = log_total - weighted.div_(total)
         slab_lse = log_total.add_(top)
         if first:
             entropy.copy_(slab_entropy)

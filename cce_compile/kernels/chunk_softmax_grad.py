@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..loss_math import LOG_P_FLOOR
 from .common import cap_logits, row_coefficients
 
 
@@ -57,6 +58,7 @@ def _chunk_softmax_grad_kernel(
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     NEEDS_ENTROPY: tl.constexpr,
+    LOG_P_FLOOR: tl.constexpr,
     NEEDS_ARGMAX: tl.constexpr,
     GIVEN_LSE: tl.constexpr,  # no pass 1: the row's lse is read from lse_row
     STATS_ONLY: tl.constexpr,  # no pass 2: the statistics only, no gradient
@@ -126,8 +128,9 @@ def _chunk_softmax_grad_kernel(
                 y += tl.load(bias + cols, mask=ok, other=0.0).to(tl.float32)
             z = cap_logits(y, logit_scale, softcap, HAS_SOFTCAP)
             p = tl.exp(z - lse)
-            if NEEDS_ENTROPY:  # -p log p with log p = z - lse: no term of the logits' size
-                entropy_acc += tl.where(ok, p * (lse - z), 0.0)
+            if NEEDS_ENTROPY:  # -p log p with log p = z - lse: no term of the logits' size;
+                # clamped (loss_math.LOG_P_FLOOR): a -inf logit adds 0, not 0 * inf
+                entropy_acc += tl.where(ok, p * tl.minimum(lse - z, -LOG_P_FLOOR), 0.0)
             g = c_p * p - tl.where(cols == tgt, c_t, 0.0)
             if HAS_SMOOTHING:
                 if HAS_WEIGHTS:
@@ -362,6 +365,7 @@ def _launch(
         HAS_SMOOTHING=smoothing,
         HAS_Z_LOSS=p_per_lse is not None,
         NEEDS_ENTROPY=entropy_out is not None,
+        LOG_P_FLOOR=LOG_P_FLOOR,
         NEEDS_ARGMAX=argmax_out is not None,
         GIVEN_LSE=given_lse,
         STATS_ONLY=stats_only,

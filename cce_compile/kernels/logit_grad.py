@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..loss_math import LOG_P_FLOOR
 from .common import (
     TileConfig,
     capped_logits_tile,
@@ -68,6 +69,7 @@ def _logit_grad_kernel(
     HAS_WEIGHTS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
+    LOG_P_FLOOR: tl.constexpr,
     HAS_FILTER: tl.constexpr,
     FILTER_BLOCK: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -144,9 +146,11 @@ def _logit_grad_kernel(
         # grad_filter=0 stays bit for bit the exact result.
         row_coef = tl.where(kept, c_p, 0.0) if HAS_FILTER else c_p
         log_p = z - tl.load(lse + pos_c)[:, None]
-        if HAS_ENTROPY:  # the entropy's term, (coef_p + coef_e * log p) * p
+        if HAS_ENTROPY:  # the entropy's term, (coef_p + coef_e * log p) * p; log p clamped
+            # (loss_math.LOG_P_FLOOR): at a -inf logit 0 * -inf would be NaN
             row_e = tl.where(kept, c_e, 0.0) if HAS_FILTER else c_e
-            grad = (row_coef[:, None] + row_e[:, None] * log_p) * tl.exp(log_p)
+            factor = row_coef[:, None] + row_e[:, None] * tl.maximum(log_p, LOG_P_FLOOR)
+            grad = factor * tl.exp(log_p)
         else:
             grad = row_coef[:, None] * tl.exp(log_p)
         tgt = tl.load(targets + t_off) - target_offset  # as a column of this slab
@@ -267,6 +271,7 @@ def logit_grad(
         HAS_WEIGHTS=class_weights is not None,
         HAS_SMOOTHING=smoothing,
         HAS_ENTROPY=entropy_coef is not None,
+        LOG_P_FLOOR=LOG_P_FLOOR,
         HAS_FILTER=keep is not None,
         FILTER_BLOCK=filter_block,
         **gemm_launch_options(
