@@ -26,6 +26,7 @@ One command, on 2 GPUs (about a minute)::
 
     torchrun --standalone --nproc-per-node 2 bench/ddp_lean_probe.py --out OUT
 
+``--one-gpu``: the ranks share GPU 0 and all-reduce over gloo (a machine of one GPU).
 ``--emulate-ranks 2`` on one GPU (``--nproc-per-node 1``): both ranks' batches in one process
 without DDP, gradients averaged, each call checked (does rank 1's data alone bring it back?).
 
@@ -370,6 +371,9 @@ def main(argv=None) -> None:
         "--check-from", type=int, default=2, help="first step checked (records nothing before)"
     )
     parser.add_argument("--no-optimize-ddp", dest="optimize_ddp", action="store_false")
+    parser.add_argument(
+        "--one-gpu", action="store_true", help="every rank on GPU 0, over gloo (NCCL: one each)"
+    )
     args = parser.parse_args(argv)
     small = dict(dim=64, vocab=2000, rows=256) if args.cpu else {}
     full = dict(dim=1024, vocab=128256, rows=4096)
@@ -384,9 +388,9 @@ def main(argv=None) -> None:
 
             dispatch.implementation_for = lambda device: triton_path
     else:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        local = 0 if args.one_gpu else int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
-        dist.init_process_group("nccl")
+        dist.init_process_group("gloo" if args.one_gpu else "nccl")
         device = torch.device("cuda", local)
     if args.emulate_ranks and dist.get_world_size() != 1:
         raise SystemExit("--emulate-ranks runs in one process (--nproc-per-node 1)")
