@@ -48,8 +48,9 @@ ENTROPY = "entropy"  # a cross-entropy of dummy targets: only its entropy is use
 # site's mutation rejection says it.
 KEPT_IN_PLACE = "cce_kept_in_place"
 # Why a canonical node must not be fused (``node.meta``): the user's form differs from the op
-# where eager gives NaN (``-(p * p.log()).sum(-1)``). A site serving it, or the loss the rules
-# made for it, is left alone with this reason, and the journal puts the user's form back.
+# (eager's NaN at a -inf logit or where p underflows: ``entropy_rules``). A site serving it, or
+# the loss the rules made for it, is left alone with this reason, and the journal puts the
+# user's form back.
 LEFT_ALONE = "cce_left_alone"
 
 

@@ -6,7 +6,9 @@
     log_prob = log_pmf.gather(-1, value[..., :1]).squeeze(-1)
     entropy = -(torch.clamp(lp, min=finfo.min) * F.softmax(lp, dim=-1)).sum(-1)
 
-``normalized_logits`` and ``unclamped`` are what the log-prob and entropy rules look through;
+``normalized_logits`` and ``unclamped`` are what the log-prob and entropy rules look through
+(the clamp makes ``0 log 0`` count 0, as the op's entropy does: looked through whatever the
+logits); ``finite_logits`` says where the entropy spellings that are NaN at a -inf logit fuse;
 ``broadcast_value`` is a rule: where the broadcast changes neither operand's rows (ids with the
 logits' leading shape), its outputs are its operands.
 """
@@ -38,64 +40,61 @@ def normalized_logits(node: Any) -> Node | None:
     return z if lse is z and p.tensor_value(z) is not None else None
 
 
-def unclamped(node: Any) -> tuple[Any, str | None]:
-    """(x, why) for ``clamp(x, min=finfo(x.dtype).min)`` (Categorical's entropy: a log-prob of
-    -inf becomes the least float, so that a class of logit -inf adds 0 and not ``0 * -inf``);
-    why is None where the logits ``x`` is normalised from cannot hold -inf (``finite_logits``):
-    there the clamp changes nothing. Elsewhere it is why the entropy is left alone
-    (``canonical.LEFT_ALONE``): at a -inf logit the op's entropy is NaN on the CPU path, and its
-    gradient NaN on the GPU path. (node, None) for any
-    other node."""
+def unclamped(node: Any) -> Any:
+    """x for ``clamp(x, min=finfo(x.dtype).min)`` (Categorical's entropy: a log-prob of -inf
+    becomes the least float, so that a class of logit -inf adds 0 and not ``0 * -inf``, as in
+    the op's entropy, whatever the logits); ``node`` for any other node."""
     named = CLAMP.args(node)
     value = p.tensor_value(node)
     if named is None or named.get("max") is not None or value is None:
-        return node, None
+        return node
     if not value.dtype.is_floating_point or named.get("min") != torch.finfo(value.dtype).min:
-        return node, None
-    x = named["input"]
-    z = normalized_logits(x) or c.over_last_dim(c.LOG_SOFTMAX, x)
-    return x, None if z is not None and finite_logits(z) else MAY_HOLD_MINUS_INF
-
-
-# Why Categorical's entropy of logits that may hold -inf is left alone (``unclamped``), and
-# what to change (the site's detail: inexact_form's usual fix is about softmax(z).log()).
-MAY_HOLD_MINUS_INF = (
-    "Categorical's entropy clamps its log-probabilities at the least float, so that a class "
-    "of logit -inf (a masked class, e.g. a -inf in the head's bias) adds 0, where the op's "
-    "entropy (or, on a GPU, its gradient) is NaN, and these logits may hold -inf: they are "
-    "not a linear head's without a bias (scaled or softcapped). Where no logit is ever -inf, "
-    "drop the bias or write the entropy as -(d.probs * d.logits).sum(-1) (fused; NaN at a "
-    "-inf logit, as in eager); where classes are masked with -inf, d.entropy() stays as written"
-)
+        return node
+    return named["input"]
 
 
 def finite_logits(node: Any) -> bool:
     """Are ``node``'s values finite wherever the head's operands are (overflow aside): a
-    linear head without a bias (``F.linear(h, W)``, ``h @ W.T``) through row views,
-    ``contiguous``/``clone``/``detach``, widening casts and scalings, or a tanh (a softcap is
-    bounded)? A scaling by 0 or inf makes every row of Categorical's entropy NaN in eager too:
-    any factor passes. A bias, a ``masked_fill`` or any other op: no."""
+    linear head without a bias (``F.linear(h, W)``, ``h @ W.T``) through row views and row
+    slices, ``contiguous``/``clone``/``detach``, widening casts, scalings (in place too), or a
+    tanh (a softcap is bounded)? The entropy spellings that are NaN at a -inf logit in eager
+    fuse only there (``entropy_rules``). A scaling by 0 or inf makes every row NaN in eager
+    too: any factor passes. A bias, a ``masked_fill`` or any other op: no."""
     while True:
         if p.is_tanh(node) or p.is_matmul(node):
             return True
         if p.is_linear(node):
             return p.linear_operands(node)[2] is None
-        scaled = p.is_scale(node)
+        scaled = p.is_scale(node) or _scaled_in_place(node)
         if scaled is not None:
             node = scaled[0]
-        elif p.is_row_view(node) or p.is_passthrough(node) or _widens(node):
+        elif p.is_row_view(node) or p.row_index(node) is not None or _keeps_values(node):
             node = node.args[0]
         else:
             return False
 
 
+def _scaled_in_place(node: Any) -> tuple[Node] | None:
+    """(x,) for ``x.div_(c)`` / ``x.mul_(c)`` / ``x /= c`` / ``x *= c``, c a number."""
+    for spelling in (c.DIV_, c.MUL_):
+        named = spelling.args(node)
+        if named is not None and p.scalar(named.get("other")) is not None:
+            return (named["input"],)
+    return None
+
+
+def _keeps_values(node: Any) -> bool:
+    """``contiguous``/``clone``/``detach``, a move that keeps the dtype, or a widening cast."""
+    return p.is_passthrough(node) or p.is_no_op_move(node) or _widens(node)
+
+
 def _widens(node: Any) -> bool:
     """A cast to a float type of at least the input's range (bf16 -> float32: no overflow)."""
     to = p.cast_dtype(node)
-    before = None if to is None else p.tensor_value(node.args[0])
-    if before is None or not (to.is_floating_point and before.is_floating_point):
+    value = None if to is None else p.tensor_value(node.args[0])
+    if value is None or not (to.is_floating_point and value.dtype.is_floating_point):
         return False
-    return torch.finfo(to).max >= torch.finfo(before).max
+    return torch.finfo(to).max >= torch.finfo(value.dtype).max
 
 
 def broadcast_value(node: Node, journal: Journal) -> bool:

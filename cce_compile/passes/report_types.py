@@ -10,16 +10,14 @@ import re
 import sys
 import sysconfig
 
-from . import canonical
+from . import canonical, entropy_rules
 from . import predicates as p
-from .categorical import MAY_HOLD_MINUS_INF
 from .verdicts import (
     DISABLED,
     DISABLED_DETAIL,
     DTENSOR,
     ESCAPES,
     GRAPH_BREAK,
-    INEXACT_FORM,
     MUTATION,
     NO_HEAD,
     UNSUPPORTED_OP,
@@ -41,11 +39,10 @@ _FIX = {
     UNSUPPORTED_OP: "the pass fuses lm_head -> casts, views, row slices, a constant scale or "
     "softcap -> cross_entropy (docs/graph_forms.md); write the loss in that form, or move "
     "other ops after it",
-    # (the one form marked so: an entropy from softmax(z).log(), rules.py)
-    INEXACT_FORM: "take the entropy's log-probabilities with F.log_softmax(z, -1), not "
-    "softmax(z).log(): `-(p * F.log_softmax(z, -1)).sum(-1)` is fused, and its 0 * log p is 0 "
-    "where a probability underflows",
 }
+# Details that name a form with a fix of its own, which replaces the reason's usual one: the
+# entropies the rules leave alone (inexact_form, ``entropy_rules.FIXES``).
+_FIX_IN_DETAIL = {**entropy_rules.FIXES}
 # Added to UNSUPPORTED_OP's fix where the op in the chain is an addition to the logits: what a
 # LoRA adapter on lm_head makes (``_adds_to_the_logits``).
 _LORA_ON_HEAD_FIX = (
@@ -106,9 +103,10 @@ class SiteReport:
     def advice(self) -> str:
         if self.fix:
             return self.fix
+        own = [fix for why, fix in _FIX_IN_DETAIL.items() if why in self.detail]
+        if own:
+            return "; ".join(own)
         usual = _FIX.get(self.reason, "")
-        if self.reason == INEXACT_FORM and MAY_HOLD_MINUS_INF in self.detail:
-            return ""  # the detail says what to change; the usual fix is softmax(z).log()'s
         if self.reason == UNSUPPORTED_OP and _adds_to_the_logits(self.detail):
             return f"{usual}; {_LORA_ON_HEAD_FIX}"
         return usual

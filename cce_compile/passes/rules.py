@@ -20,13 +20,12 @@ Each rule is a function of one node, the last of its form; it rewrites through t
    ``[..., 0]``; the logsumexp may be taken on a row view of ``z``: OpenRLHF's
    ``z.reshape(-1, V)`` then ``.view(*batch)``); ``logsumexp - gather``, the negative
    log-prob, -> ``-token_log_probs``.
-4. ``entropy`` -> ``cce::softmax_entropy(z)``: ``-(exp(log_softmax(z)) * log_softmax(z)).sum(-1)``
-   (TRL), ``-(softmax(z) * log_softmax(z)).sum(-1)``, ``logsumexp(z) - (softmax(z) * z).sum(-1)``
-   (verl, OpenRLHF); either operand order; Categorical's ``-(clamp(lp, min=finfo.min) *
-   softmax(lp)).sum(-1)``; the sum without its minus (the negative entropy) ->
-   ``-softmax_entropy(z)``; with ``keepdim=True`` -> ``softmax_entropy(z).unsqueeze(-1)``.
-   Also ``-(p * p.log()).sum(-1)``, ``p = softmax(z)``, marked ``canonical.LEFT_ALONE`` (eager's
-   ``0 * log 0`` is NaN): its site is left alone, says why, and the journal undoes it.
+4. ``entropy_rules.entropy`` -> ``cce::softmax_entropy(z)``: the entropy forms of TRL, verl,
+   OpenRLHF and ``torch.distributions.Categorical``, their sign and keepdim variants; the
+   spellings that are NaN at a -inf logit in eager (``0 * -inf``) only of logits that cannot
+   hold one, and other forms the op would compute otherwise (``softmax(z).log()``, an epsilon
+   in the log, ``Categorical(probs=...)``) marked ``canonical.LEFT_ALONE``: their site is left
+   alone, says why, and the journal undoes them (``entropy_rules.py``).
 5. ``lower_log_probs``: ``token_log_probs(z, ids)`` ->
    ``-F.cross_entropy(z.flatten(0, -2), ids.flatten(), reduction="none",
    ignore_index=NO_ID).view_as(ids)``: eager's values wherever its ``gather`` has them. No id
@@ -54,7 +53,7 @@ import torch.nn.functional as F
 from torch.fx import Graph, Node
 
 from . import calls as c
-from . import canonical, categorical, piecewise, safety
+from . import canonical, categorical, entropy_rules, piecewise, safety
 from . import predicates as p
 from .emit import Emitter
 from .journal import REPLACES, Journal
@@ -270,21 +269,11 @@ def _log_softmax_gather(node: Node) -> tuple | None:
     if gathered is None:
         return None
     log_softmax, index = gathered
-    found = _log_softmax_nodes(log_softmax)
+    found = entropy_rules.log_softmax_nodes(log_softmax)
     if found is None or not _indexes(index, found[0]):
         return None
     z, nodes = found
     return z, index, True, False, [*nodes, z, index]
-
-
-def _log_softmax_nodes(node: Any) -> tuple[Node, list[Node]] | None:
-    """(z, the form's nodes) for ``log_softmax(z, -1)`` or ``z - z.logsumexp(-1,
-    keepdim=True)``."""
-    z = c.over_last_dim(c.LOG_SOFTMAX, node)
-    if z is not None:
-        return z, [node]
-    z = categorical.normalized_logits(node)
-    return None if z is None else (z, [node, node.args[1]])
 
 
 def _gather_minus_logsumexp(node: Node) -> tuple | None:
@@ -388,121 +377,6 @@ def _root(node: Any) -> Any:
     return node
 
 
-# --- 4. entropy --------------------------------------------------------------------------
-
-
-def entropy(node: Node, journal: Journal) -> bool:
-    """The entropy forms (module docstring, 4.) -> ``cce::softmax_entropy``: the negative
-    entropy, ``(p * log p).sum(-1)`` added with a plus sign, -> its negation; a sum with
-    ``keepdim=True`` -> the entropy unsqueezed."""
-    found = _sum_p_log_p(node) or _logsumexp_minus_expected_logit(node)
-    if found is None:
-        return False
-    z, matched, keeps_dim, negated, inexact = found
-    emit = Emitter(node.graph, node)
-    created = [emit(canonical.SOFTMAX_ENTROPY, z)]
-    created[0].meta[REPLACES] = node.meta.get(REPLACES, node.name)  # (the report's name)
-    if inexact:  # (why the op would compute otherwise)
-        created[0].meta[canonical.LEFT_ALONE] = inexact
-    if keeps_dim:
-        created.append(emit.method("unsqueeze", created[-1], -1))
-    if negated:
-        created.append(emit(operator.neg, created[-1]))
-    if p.tensor_value(created[-1]).dtype != p.tensor_value(node).dtype:
-        journal.erase(created)
-        return False
-    journal.replaced("entropy", node, created[-1], [z, *matched], created)
-    return True
-
-
-_LOG_OF_SOFTMAX = (  # why ``-(p * p.log()).sum(-1)`` is not fused (``canonical.LEFT_ALONE``)
-    "the entropy takes the log of softmax(z) (p * p.log()): where a probability underflows to "
-    "0, eager's 0 * log 0 is NaN and the op's entropy would be a number"
-)
-
-
-def _sum_p_log_p(node: Node) -> tuple | None:
-    """(z, matched, keeps_dim, negated, inexact) for ``-(P * L).sum(-1)`` (or ``(P *
-    L).sum(-1)``: negated), ``keepdim=True`` or not; L ``log_softmax(z)`` (or Categorical's,
-    clamped at the least float), or ``log(softmax(z))``, P ``exp(L)`` or ``softmax(z)`` (or
-    ``softmax(L)``); inexact: why the op's entropy would differ from eager's, or None."""
-    named = c.NEG.args(node)
-    total, negated = (named["input"], False) if named is not None else (node, True)
-    users = safety.live_users(node)
-    if negated and len(users) == 1 and c.NEG.args(users[0]) is not None:
-        return None  # -(sum): the negation's own match
-    for keeps_dim in (False, True):
-        product = c.over_last_dim(c.SUM, total, keepdim=keeps_dim)
-        factors = _factors(product)
-        if factors is not None:
-            break
-    else:
-        return None
-    for probs, log_probs_node in (factors, factors[::-1]):
-        unclamped, inexact = categorical.unclamped(log_probs_node)
-        found = _log_softmax_nodes(unclamped)
-        if found is None:
-            found, inexact = _log_of_softmax(log_probs_node), _LOG_OF_SOFTMAX
-        if found is None:
-            continue
-        z, nodes = found
-        source = _probs_source(probs)
-        if source is not None and _logits_of(source) is _logits_of(z):
-            matched = [total, product, probs, log_probs_node, *nodes, *probs.all_input_nodes]
-            return _logits_of(z), matched, keeps_dim, negated, inexact
-    return None
-
-
-def _log_of_softmax(node: Node) -> tuple[Node, list[Node]] | None:
-    """(z, the form's nodes) for ``log(softmax(z, -1))`` (``p.log()``, ``torch.log(p)``)."""
-    named = c.LOG.args(node)
-    z = None if named is None else c.over_last_dim(c.SOFTMAX, named["input"])
-    return None if z is None else (z, [node, named["input"]])
-
-
-def _probs_source(probs: Node) -> Node | None:
-    """x for ``exp(log_softmax(x))`` or ``softmax(x)``."""
-    exponent = c.EXP.args(probs)
-    if exponent is None:
-        return c.over_last_dim(c.SOFTMAX, probs)
-    found = _log_softmax_nodes(exponent["input"])
-    return None if found is None else found[0]
-
-
-def _logits_of(node: Node) -> Node:
-    """The logits a log-softmax of log-softmaxes is of: the distribution is the same."""
-    found = _log_softmax_nodes(node)
-    while found is not None:
-        node = found[0]
-        found = _log_softmax_nodes(node)
-    return node
-
-
-def _logsumexp_minus_expected_logit(node: Node) -> tuple | None:
-    """(z, matched, False, False, None) for ``logsumexp(z, -1) - (softmax(z) *
-    z).sum(-1)``."""
-    named = c.SUB.args(node)
-    if named is None or len(named) != 2:
-        return None
-    z = c.over_last_dim(c.LOGSUMEXP, named["input"])
-    product = c.over_last_dim(c.SUM, named["other"])
-    factors = _factors(product)
-    if z is None or factors is None:
-        return None
-    for probs, logits in (factors, factors[::-1]):
-        if logits is z and c.over_last_dim(c.SOFTMAX, probs) is z:
-            return z, [named["input"], named["other"], product, probs], False, False, None
-    return None
-
-
-def _factors(node: Any) -> tuple[Node, Node] | None:
-    named = c.MUL.args(node)
-    if named is None or len(named) != 2:
-        return None
-    a, b = named["input"], named["other"]
-    return (a, b) if isinstance(a, Node) and isinstance(b, Node) else None
-
-
 # --- 5, 6. lowering -----------------------------------------------------------------------
 
 
@@ -562,7 +436,7 @@ RULES = (
     piecewise.join_pieces,
     categorical.broadcast_value,
     log_probs,
-    entropy,
+    entropy_rules.entropy,
     lower_log_probs,
     dummy_loss,
 )

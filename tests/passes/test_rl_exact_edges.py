@@ -1,16 +1,20 @@
 """RL forms at the edges where a fused form would differ from eager's, found by an adversarial
-run: Categorical's entropy of logits that may hold -inf (its clamp gives a number, the op NaN),
-a log-prob whose two operands differ in having a gradient (the op gave neither one), and ids
-whose sizes Dynamo makes separate symbols when it recompiles for a new batch size (the
-log-probs were left unfused without a word).
+run: an entropy at a -inf logit (a masked class: Categorical's clamp and the op give 0 log 0 =
+0 there, the other spellings NaN in eager), a log-prob whose two operands differ in having a
+gradient (the op gave neither one), and ids whose sizes Dynamo makes separate symbols when it
+recompiles for a new batch size (the log-probs were left unfused without a word).
 """
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
-from test_rl_forms import OP, TEMPERATURE, V, compile_and_run, make_inputs
+from oracle import GRAD_RTOL, assert_close
+from rl_forms import trl_entropy, verl_entropy
+from test_rl_forms import OP, TEMPERATURE, VALUE_RTOL, V, compile_and_run, make_inputs
 from torch._dynamo.backends.debugging import aot_eager
 
 from cce_compile.passes.graph_pass import run_on_module
@@ -38,53 +42,97 @@ def categorical_log_prob(x, w, b, ids):
 
 
 def categorical_unclamped_entropy(x, w, b, ids):
-    """The fix the left-alone entropy names: its terms without Categorical's clamp."""
+    """Categorical's terms without its clamp: 0 * -inf at a masked class."""
     d = torch.distributions.Categorical(logits=F.linear(x, w, b) / TEMPERATURE)
     return d.log_prob(ids), -(d.probs * d.logits).sum(-1)
 
 
-def test_categorical_entropy_of_a_biased_head_is_left_alone_and_keeps_eagers_numbers():
-    """A -inf in the bias (masked classes): Categorical's clamp makes 0 * log 0 count 0, the
-    op's entropy is NaN there (every row was NaN). A bias may hold -inf: the site is left alone
-    as inexact_form, its detail saying what to change."""
-    x, (w,), ids, _ = make_inputs(torch.float32, ["one"], seed=1)
-    ids = ids % (V - MASKED)
-    args = (x, w, _masking_bias(), ids)
-    (log_probs, entropy), compiled = compile_and_run(categorical_entropy, args)
-    assert compiled.counts == {"skipped:inexact_form": 1}, compiled.counts
-    assert _op_calls(compiled) == 0
-    want_log_probs, want_entropy = categorical_entropy(*args)
-    assert torch.isfinite(want_entropy).all(), "eager's entropy is finite: the case's point"
-    torch.testing.assert_close(entropy, want_entropy)
-    torch.testing.assert_close(log_probs, want_log_probs)
-    (report,) = compiled.reports
-    assert "Categorical's entropy clamps" in report.detail, report.detail
-    assert "-(d.probs * d.logits).sum(-1)" in report.detail, report.detail
-    assert "softmax(z).log()" not in report.advice, report.advice  # not this site's fix
+def trl_entropy_of_head(x, w, b, ids):
+    return (trl_entropy(F.linear(x, w, b) / TEMPERATURE),)
 
 
-def test_categorical_log_prob_of_a_biased_head_still_fuses():
-    """The clamp is only the entropy's: the log-probs are equal, -inf bias or not."""
-    x, (w,), ids, _ = make_inputs(torch.float32, ["one"], seed=1)
-    args = (x, w, _masking_bias(), ids % (V - MASKED))
-    log_probs, compiled = compile_and_run(categorical_log_prob, args)
-    assert compiled.counts == {"rewritten": 1}, compiled.counts
-    torch.testing.assert_close(log_probs, categorical_log_prob(*args))
+def softmax_log_softmax_entropy(x, w, b, ids):
+    z = F.linear(x, w, b) / TEMPERATURE
+    log_probs = F.log_softmax(z, -1).gather(-1, ids[..., None]).squeeze(-1)
+    return log_probs, -(F.softmax(z, -1) * F.log_softmax(z, -1)).sum(-1)
 
 
-@pytest.mark.parametrize("bias", [None, "zeros"])
-def test_categorical_entropy_fuses_where_the_logits_hold_no_minus_inf(bias):
-    """No bias: Categorical's entropy fuses (the clamp changes nothing); with a bias, the
-    spelling the detail names fuses."""
-    x, (w,), ids, _ = make_inputs(torch.float32, ["one"], seed=1)
-    fn = categorical_entropy if bias is None else categorical_unclamped_entropy
-    args = (x, w, None if bias is None else torch.zeros(V), ids)
-    (log_probs, entropy), compiled = compile_and_run(fn, args)
+def verl_entropy_of_head(x, w, b, ids):
+    return (verl_entropy(F.linear(x, w, b) / TEMPERATURE),)
+
+
+def _masked_inputs(seed=1):
+    x, (w,), ids, _ = make_inputs(torch.float32, ["one"], seed=seed)
+    return x, w, _masking_bias(), ids % (V - MASKED)
+
+
+def test_categorical_entropy_of_a_head_with_a_minus_inf_bias_fuses_finite_and_exact():
+    """Categorical's clamp makes a masked class (a -inf in the bias) add 0, and so does the op
+    (0 log 0 = 0, its gradient 0 there): fused into one call, whatever the logits, with eager's
+    finite entropy and gradients, against float64 within the oracle's tolerances."""
+    x, w, b, ids = _masked_inputs()
+    (log_probs, entropy), compiled = compile_and_run(categorical_entropy, (x, w, b, ids))
     assert compiled.counts == {"rewritten": 1}, compiled.counts
     assert _op_calls(compiled) == 1
-    want_log_probs, want_entropy = fn(*args)
-    torch.testing.assert_close(entropy, want_entropy, rtol=2e-5, atol=2e-5)
-    torch.testing.assert_close(log_probs, want_log_probs, rtol=2e-5, atol=2e-5)
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    want_log_probs, want_entropy = categorical_entropy(x64, w64, b.double(), ids)
+    assert torch.isfinite(entropy).all() and torch.isfinite(want_entropy).all()
+    rtol = VALUE_RTOL[torch.float32]
+    assert_close("entropy", entropy.double(), want_entropy.detach(), rtol, 1.0)
+    assert_close("log-probs", log_probs.double(), want_log_probs.detach(), rtol, 1.0)
+    got = torch.autograd.grad(log_probs.sum() + 0.1 * entropy.sum(), (x, w))
+    want = torch.autograd.grad(want_log_probs.sum() + 0.1 * want_entropy.sum(), (x64, w64))
+    for name, g, expected in zip(("hidden", "classifier"), got, want):
+        assert torch.isfinite(g).all(), name
+        assert_close(f"gradient of {name}", g.double(), expected, GRAD_RTOL[torch.float32])
+
+
+def test_categorical_log_prob_of_a_biased_head_fuses():
+    x, w, b, ids = _masked_inputs()
+    log_probs, compiled = compile_and_run(categorical_log_prob, (x, w, b, ids))
+    assert compiled.counts == {"rewritten": 1}, compiled.counts
+    torch.testing.assert_close(log_probs, categorical_log_prob(x, w, b, ids))
+
+
+NAN_AT_MINUS_INF = {
+    "TRL -(exp(logp) * logp)": trl_entropy_of_head,
+    "-(softmax * log_softmax), beside log-probs": softmax_log_softmax_entropy,
+    "verl logsumexp - (softmax * z)": verl_entropy_of_head,
+    "-(d.probs * d.logits)": categorical_unclamped_entropy,
+}
+
+
+@pytest.mark.parametrize("fn", NAN_AT_MINUS_INF.values(), ids=NAN_AT_MINUS_INF.keys())
+def test_an_entropy_spelling_nan_at_minus_inf_of_a_biased_head_is_left_alone(fn, caplog):
+    """Eager's 0 * -inf is NaN at a masked class where the op's entropy would be 0: with a
+    bias the logits may hold -inf, so the site is left as written (eager's NaN kept) and says
+    so once, with what to write instead. (Fused before: the op was NaN there too.)"""
+    args = _masked_inputs()
+    with caplog.at_level(logging.INFO, logger="cce_compile"):
+        outputs, compiled = compile_and_run(fn, args)
+    assert compiled.counts == {"skipped:inexact_form": 1}, compiled.counts
+    assert _op_calls(compiled) == 0
+    want = fn(*args)
+    assert torch.isnan(want[-1]).all(), "eager's entropy is NaN in every row: the case's point"
+    for got, expected in zip(outputs, want, strict=True):
+        torch.testing.assert_close(got, expected, equal_nan=True)
+    (report,) = compiled.reports
+    assert "NaN at a -inf logit" in report.detail and "0 log 0 = 0" in report.detail, report
+    assert "Categorical(logits=z).entropy()" in report.advice, report.advice
+    assert "without its bias" in report.advice, report.advice
+    told = [r.getMessage() for r in caplog.records if "NaN at a -inf logit" in r.getMessage()]
+    assert len(told) == 1 and "(inexact_form)" in told[0], told
+
+
+@pytest.mark.parametrize("fn", NAN_AT_MINUS_INF.values(), ids=NAN_AT_MINUS_INF.keys())
+def test_the_same_spellings_of_a_head_without_a_bias_fuse(fn):
+    """The control: a linear head without a bias has no -inf logit, so they fuse."""
+    x, w, _, ids = _masked_inputs()
+    outputs, compiled = compile_and_run(fn, (x, w, None, ids))
+    assert compiled.counts == {"rewritten": 1}, compiled.counts
+    assert _op_calls(compiled) == 1
+    for got, expected in zip(outputs, fn(x, w, None, ids), strict=True):
+        torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
 
 
 def gather_of_detached(x, w, ids):
@@ -158,3 +206,18 @@ def test_a_new_batch_size_fuses_the_log_probs_and_other_ids_sizes_recompile():
         torch.testing.assert_close(compiled(x, w, ids), log_probs(x, w, ids))
     fused = [OP in [n.target for n in g.graph.nodes] for g in graphs]
     assert fused == [True, True, False], fused  # static, dynamic, ids smaller than the logits
+
+
+def test_a_widening_cast_keeps_a_head_without_a_bias_free_of_minus_inf():
+    """bf16 logits cast to float32 (TRL's upcast) cannot overflow: the spelling fuses. (The
+    cast's check read the tensor where it meant its dtype, and raised in the backend.)"""
+    x, (w,), ids, _ = make_inputs(torch.bfloat16, ["one"], seed=2)
+
+    def step(x, w, ids):
+        return trl_entropy(F.linear(x, w).float() / TEMPERATURE)
+
+    entropy, compiled = compile_and_run(step, (x, w, ids))
+    assert compiled.counts == {"rewritten": 1}, compiled.counts
+    # (the op's logits are not rounded to bf16: float64's of the bf16 operands)
+    want = trl_entropy(F.linear(x.detach().double(), w.detach().double()) / TEMPERATURE)
+    assert_close("entropy", entropy.double(), want, VALUE_RTOL[torch.float32], 1.0)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from rl_forms import trl_entropy, trl_log_probs, verl_entropy, verl_log_probs
 
-from cce_compile.passes import canonical, categorical, rules
+from cce_compile.passes import canonical, entropy_rules, rules
 from cce_compile.passes.canonical import LEFT_ALONE
 from cce_compile.passes.journal import Journal
 
@@ -192,13 +192,19 @@ def _outputs(gm):
     return dict(zip(CASES, outputs))
 
 
-def _became(node) -> str:
-    """What a case's output is after the rules: the canonical op it reads (negated, unsqueezed
-    or reshaped), or kept."""
+def _canonical(node):
+    """The node a case's output reads through a negation, an unsqueeze or a reshape."""
     if node.op == "call_function" and node.target is operator.neg:
         node = node.args[0]
     if node.op == "call_method" and node.target in ("unsqueeze", "reshape"):
         node = node.args[0]
+    return node
+
+
+def _became(node) -> str:
+    """What a case's output is after the rules: the canonical op it reads (negated, unsqueezed
+    or reshaped), or kept."""
+    node = _canonical(node)
     if node.target is canonical.TOKEN_LOG_PROBS:
         return LOG_PROBS
     if node.target is canonical.SOFTMAX_ENTROPY:
@@ -225,12 +231,16 @@ def test_each_rule_rewrites_its_forms_and_leaves_near_forms_alone(captured):
     kept = [n.meta.get(canonical.KEPT_IN_PLACE) for n in gm.graph.nodes]
     assert any(why and "another view of" in why for why in kept), [k for k in kept if k]
     assert any(why and "is an input of the graph" in why for why in kept), kept
-    # Marked not to be fused: the log of softmax(z), and Categorical's entropy, whose logits
-    # (a graph input here, not a linear head without a bias) may hold -inf.
-    marked = {n.meta[canonical.LEFT_ALONE]: n for n in gm.graph.nodes if n.meta.get(LEFT_ALONE)}
-    assert [n.target for n in marked.values()] == [canonical.SOFTMAX_ENTROPY] * 2, marked
-    assert _outputs(gm)["-(p * p.log()).sum(-1)"] is marked[rules._LOG_OF_SOFTMAX]
-    assert _outputs(gm)["Categorical entropy"] is marked[categorical.MAY_HOLD_MINUS_INF]
+    # Marked not to be fused: the log of softmax(z) (NaN where p underflows), and the spellings
+    # that are NaN at a -inf logit in eager, as these logits (a graph input, not a linear head
+    # without a bias) may hold one. Categorical's clamp makes 0 log 0 count 0, as the op does:
+    # its entropy is not marked, whatever the logits.
+    entropies = [name for name, (_, became) in CASES.items() if became == ENTROPY]
+    whys = {name: _canonical(_outputs(gm)[name]).meta.get(LEFT_ALONE) for name in entropies}
+    expected_whys = {name: entropy_rules.NAN_AT_MINUS_INF for name in entropies}
+    expected_whys["-(p * p.log()).sum(-1)"] = entropy_rules.LOG_OF_SOFTMAX
+    expected_whys["Categorical entropy"] = None
+    assert whys == expected_whys, whys
 
     # Lowering: each log-prob becomes a cross_entropy marked as such; an entropy whose rows
     # no cross_entropy reads gets one of its own.
@@ -238,8 +248,9 @@ def test_each_rule_rewrites_its_forms_and_leaves_near_forms_alone(captured):
     assert rules.apply(gm.graph, rules.dummy_loss, journal) == 9
     forms = [canonical.form(n) for n in gm.graph.nodes if n.target is F.cross_entropy]
     assert sorted(forms) == [canonical.ENTROPY] * 9 + [canonical.LOG_PROBS] * 14
-    # (the marked entropy's loss carries the mark: its site is left alone, saying why)
-    assert sum(canonical.LEFT_ALONE in n.meta for n in gm.graph.nodes) == 4
+    # (each marked entropy's loss carries the mark: its site is left alone, saying why)
+    marked = 2 * sum(why is not None for why in whys.values())
+    assert sum(canonical.LEFT_ALONE in n.meta for n in gm.graph.nodes) == marked == 16
     gm.graph.lint()
 
     # With no fused site, the journal puts the graph back as the user's code made it.
