@@ -127,6 +127,29 @@ def broadcast_value(node: Node, journal: Journal) -> bool:
     return True
 
 
+# What a log-prob left as ``broadcast_value`` found it is, in a site's detail, and its fix.
+BROADCAST_IDS = (
+    "Categorical's log_prob of ids that broadcast against the logits (ids of another leading "
+    "shape than theirs), which the pass does not recognise"
+)
+BROADCAST_IDS_FIX = (
+    "give log_prob ids of the logits' leading shape, e.g. d.log_prob(ids.expand(z.shape[:-1])) "
+    "for ids of one row: the log-probs then fuse, with the entropy in one op call"
+)
+
+
+def broadcast_log_prob(node: Any) -> bool:
+    """Is ``node`` the log-softmax Categorical writes (``z - z.logsumexp(-1, keepdim=True)``, or
+    its logsumexp) of log-probs that a ``broadcast_tensors`` still reads (ids that broadcast,
+    which ``broadcast_value`` left as they were)?"""
+    if c.over_last_dim(c.LOGSUMEXP, node, keepdim=True) is not None:
+        normalized = [u for u in node.users if normalized_logits(u) is not None]
+        return any(broadcast_log_prob(u) for u in normalized)
+    return normalized_logits(node) is not None and any(
+        BROADCAST.args(u) is not None for u in node.users
+    )
+
+
 def _one_class_per_row(index: Any, lp: Any) -> bool:
     """Is ``index`` (..., 1) int64 and ``lp`` (..., V), with the same leading sizes?"""
     ids, logits = p.tensor_value(index), p.tensor_value(lp)

@@ -13,7 +13,9 @@ and its gradient is finite. Where the user's form gives the same numbers, it is 
 
 Elsewhere the form is still rewritten, marked ``canonical.LEFT_ALONE`` with why (its site is
 left alone as ``inexact_form``; the journal puts the user's form back): the NaN spellings of
-logits that may hold -inf, and ``-(p * p.log()).sum(-1)`` (NaN where p underflows). Each such
+logits that may hold -inf, ``-(p * p.log()).sum(-1)`` (NaN where p underflows),
+``-(p * torch.log(p + eps)).sum(-1)`` (the epsilon changes the value) and
+``Categorical(probs=softmax(z)).entropy()`` (re-normalised, clamped probabilities). Each such
 reason has its fix in ``FIXES``, which the report gives.
 
 Either operand order; the sum without its minus (the negative entropy) ->
@@ -46,6 +48,14 @@ LOG_OF_SOFTMAX = (
     "the entropy takes the log of softmax(z) (p * p.log()): where a probability underflows to "
     "0, eager's 0 * log 0 is NaN and the op's entropy would be a number"
 )
+EPS_IN_LOG = (
+    "the entropy takes the log of softmax(z) plus an epsilon (log(p + eps), or of p clamped at "
+    "eps): the epsilon changes its value, which the op does not compute"
+)
+PROBS_RENORMALISED = (
+    "Categorical(probs=softmax(z)) re-normalises the probabilities and clamps them at "
+    "finfo.eps before their log: its entropy is not the op's softmax entropy"
+)
 # What to write instead (the report's fix for a site left alone for that reason).
 FIXES = {
     NAN_AT_MINUS_INF: f"write {_CATEGORICAL} (fused, 0 at a masked class); or, where no logit "
@@ -53,6 +63,10 @@ FIXES = {
     LOG_OF_SOFTMAX: "take the entropy's log-probabilities with F.log_softmax(z, -1), not "
     f"softmax(z).log(): `{_LOG_SOFTMAX}` is fused for a linear head without a bias, and its "
     f"0 * log p is 0 where a probability underflows; {_CATEGORICAL} is fused for any head",
+    EPS_IN_LOG: f"drop the epsilon: {_CATEGORICAL} is fused and counts a probability of 0 as 0 "
+    f"(so does `{_LOG_SOFTMAX}`, fused for a linear head without a bias)",
+    PROBS_RENORMALISED: f"pass the logits, not their softmax: {_CATEGORICAL} is fused (and its "
+    "log_prob)",
 }
 
 
@@ -92,9 +106,10 @@ def log_softmax_nodes(node: Any) -> tuple[Node, list[Node]] | None:
 
 def _sum_p_log_p(node: Node) -> tuple | None:
     """(z, matched, keeps_dim, negated, inexact) for ``-(P * L).sum(-1)`` (or ``(P *
-    L).sum(-1)``: negated), ``keepdim=True`` or not; L ``log_softmax(z)`` or ``log(softmax(z))``,
-    either clamped at the least float (Categorical's), P ``exp(L)`` or ``softmax(z)`` (or
-    ``softmax(L)``); inexact: why the op's entropy would differ from eager's, or None."""
+    L).sum(-1)``: negated), ``keepdim=True`` or not; L ``log_softmax(z)`` or a log of
+    probabilities (``_log_of_probs``), either clamped at the least float (Categorical's), P
+    ``exp(L)`` or ``softmax(z)`` (or ``softmax(L)``, re-normalised or not); inexact: why the
+    op's entropy would differ from eager's, or None."""
     named = c.NEG.args(node)
     total, negated = (named["input"], False) if named is not None else (node, True)
     users = safety.live_users(node)
@@ -127,21 +142,54 @@ def _sum_p_log_p(node: Node) -> tuple | None:
 
 
 def _log_of_probs(node: Node, clamped: bool) -> tuple[tuple[Node, list[Node]] | None, Any]:
-    """((z, the form's nodes), why) for ``log(softmax(z, -1))`` (``p.log()``,
-    ``torch.log(p)``; why: LOG_OF_SOFTMAX, None where clamped at the least float); (None,
-    None) for any other node."""
+    """((z, the form's nodes), why) for ``log(P)``, P ``softmax(z, -1)`` (``p.log()``,
+    ``torch.log(p)``; why: LOG_OF_SOFTMAX, None where clamped at the least float), plus an
+    epsilon or clamped at one (EPS_IN_LOG), re-normalised and clamped as
+    ``Categorical(probs=...)`` does (PROBS_RENORMALISED); (None, None) for any other node."""
     named = c.LOG.args(node)
-    z = None if named is None else c.over_last_dim(c.SOFTMAX, named["input"])
-    if z is None:
+    if named is None:
         return None, None
-    return (z, [node, named["input"]]), None if clamped else LOG_OF_SOFTMAX
+    nodes, probs = [node], named["input"]
+    why = None if clamped else LOG_OF_SOFTMAX
+    shifted = _plus_epsilon(probs)
+    if shifted is not None:
+        nodes.append(probs)
+        probs, why = shifted, EPS_IN_LOG
+    renormalised = _renormalised(probs)
+    if renormalised is not None:
+        nodes += [probs, probs.args[1]]
+        probs, why = renormalised, PROBS_RENORMALISED
+    z = c.over_last_dim(c.SOFTMAX, probs)
+    return (None, None) if z is None else ((z, [*nodes, probs]), why)
+
+
+def _plus_epsilon(node: Any) -> Node | None:
+    """p for ``p + eps``, ``eps + p`` or ``p.clamp(min=eps)`` (a max too), eps a number."""
+    named = c.ADD.args(node)
+    if named is not None and len(named) == 2:
+        for tensor, number in ((named["input"], named["other"]), (named["other"], named["input"])):
+            if isinstance(tensor, Node) and isinstance(number, (int, float)):
+                return tensor
+    named = categorical.CLAMP.args(node)
+    if named is not None and isinstance(named.get("min"), (int, float)):
+        return named["input"]
+    return None
+
+
+def _renormalised(node: Any) -> Node | None:
+    """p for ``p / p.sum(-1, keepdim=True)`` (Categorical's ``probs``)."""
+    named = c.DIV.args(node)
+    if named is None or len(named) != 2 or not isinstance(named["input"], Node):
+        return None
+    total = c.over_last_dim(c.SUM, named["other"], keepdim=True)
+    return named["input"] if total is named["input"] else None
 
 
 def _probs_source(probs: Node) -> Node | None:
-    """x for ``exp(log_softmax(x))`` or ``softmax(x)``."""
+    """x for ``exp(log_softmax(x))`` or ``softmax(x)`` (re-normalised or not)."""
     exponent = c.EXP.args(probs)
     if exponent is None:
-        return c.over_last_dim(c.SOFTMAX, probs)
+        return c.over_last_dim(c.SOFTMAX, _renormalised(probs) or probs)
     found = log_softmax_nodes(exponent["input"])
     return None if found is None else found[0]
 

@@ -22,10 +22,24 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+from . import categorical, safety
 from . import predicates as p
-from . import safety
 from .canonical import LEFT_ALONE, entropy_input
 from .journal import user_name
+
+# Why an entropy of the logits a site computes is not served by its op call when the two
+# differ in having a gradient (old log-probs under no_grad beside an entropy bonus), and what
+# to change: the detail's fix replaces logits_escape's usual one (``report_types``).
+GRAD_MODES_DIFFER = (
+    "an entropy of the same logits that takes a gradient, where this site takes none (it is "
+    "computed under torch.no_grad()): one op call computes its outputs with a gradient or "
+    "without"
+)
+GRAD_MODES_DIFFER_FIX = (
+    "compute both in one grad mode: the log-probs with a gradient, then .detach() them where "
+    "they are kept without (one op call serves both), or the entropy under torch.no_grad() "
+    "too where it needs no gradient"
+)
 
 
 def outside_users(nodes: list[Node], inside: list[Node]) -> list[Node]:
@@ -185,7 +199,7 @@ def escape_detail(
     escaping: list[Node], inside: list[Node], policy: str, training: bool, returned: bool
 ) -> str:
     """Who else uses the logits, and the setting that would fuse the loss anyway."""
-    users = sorted(_named(u) for u in outside_users(escaping, inside))
+    users = sorted({_named(u, training) for u in outside_users(escaping, inside)})
     what = "returned by the graph" if returned else f"also used by {', '.join(users)}"
     if not training and returned:  # (what drop keeps: other uses keep the logits in any graph)
         return (
@@ -208,19 +222,24 @@ def escape_detail(
     return f"the logits are {what}; CCE_ESCAPING_LOGITS=rewrite fuses the loss and keeps them"
 
 
-def _named(user: Node) -> str:
-    """The user's name, and what it is where that says why the logits escape: an entropy this
-    site's op does not serve (it serves only the entropy of the rows it computes, at their
-    scaling), or rows of them another cross-entropy reads."""
+def _named(user: Node, training: bool) -> str:
+    """What the user is, where that says why the logits escape: an entropy this site's op
+    does not serve (it serves only the entropy of the rows it computes, at their scaling, in
+    its grad mode) or that is left as written, Categorical's log_prob of broadcast ids, or
+    rows of them another cross-entropy reads; else the user's name."""
     _, end = _through_casts(user, row_views=True)
     if entropy_input(end) is not None and LEFT_ALONE in end.meta:
-        return f"{user_name(end)} ({end.meta[LEFT_ALONE]})"
+        return f"an entropy left as written ({end.meta[LEFT_ALONE]})"
+    if entropy_input(end) is not None and safety.requires_grad(end) and not training:
+        return GRAD_MODES_DIFFER
     if entropy_input(end) is not None:
         return (
-            f"{user_name(end)} (an entropy of other rows or another scaling of the logits than "
-            "this site's: the op serves only the entropy of the rows it computes; take it of "
-            "the same rows, e.g. z[:, :-1] beside a shifted loss, to fuse both in one call)"
+            "an entropy of other rows or another scaling of the logits than this site's (the op "
+            "serves only the entropy of the rows it computes; take it of the same rows, e.g. "
+            "z[:, :-1] beside a shifted loss, to fuse both in one call)"
         )
+    if categorical.broadcast_log_prob(user):
+        return categorical.BROADCAST_IDS
     node = user
     while p.row_index(node) is not None or p.is_row_view(node) or p.is_passthrough(node):
         users = safety.live_users(node)

@@ -34,7 +34,6 @@ from .emit import (
     shape_of,
     targets_as_rows,
 )
-from .journal import user_name
 from .report_types import location
 from .verdicts import (
     DTENSOR,
@@ -318,11 +317,11 @@ def _left_alone(found: _Candidate) -> Rejection | None:
             logits = _logits_read(user, found)
             users.escaping += [] if logits in users.escaping else [logits]
         return None
+    if not own_loss:  # (the entropy's own site: its reason alone)
+        return Rejection(found.loss, INEXACT_FORM, found.loss.meta[canonical.LEFT_ALONE])
     if marked:
         why = marked[0].meta[canonical.LEFT_ALONE]
-        return Rejection(found.loss, INEXACT_FORM, f"{user_name(marked[0])}: {why}")
-    if not own_loss:
-        return Rejection(found.loss, INEXACT_FORM, found.loss.meta[canonical.LEFT_ALONE])
+        return Rejection(found.loss, INEXACT_FORM, f"an entropy of these logits: {why}")
     return None
 
 

@@ -10,7 +10,7 @@ import re
 import sys
 import sysconfig
 
-from . import canonical, entropy_rules
+from . import canonical, categorical, entropy_rules, escapes
 from . import predicates as p
 from .verdicts import (
     DISABLED,
@@ -41,8 +41,13 @@ _FIX = {
     "other ops after it",
 }
 # Details that name a form with a fix of its own, which replaces the reason's usual one: the
-# entropies the rules leave alone (inexact_form, ``entropy_rules.FIXES``).
-_FIX_IN_DETAIL = {**entropy_rules.FIXES}
+# entropies the rules leave alone (inexact_form, ``entropy_rules.FIXES``), and logits kept for
+# a Categorical log_prob the rules do not recognise or for an entropy in another grad mode.
+_FIX_IN_DETAIL = {
+    **entropy_rules.FIXES,
+    categorical.BROADCAST_IDS: categorical.BROADCAST_IDS_FIX,
+    escapes.GRAD_MODES_DIFFER: escapes.GRAD_MODES_DIFFER_FIX,
+}
 # Added to UNSUPPORTED_OP's fix where the op in the chain is an addition to the logits: what a
 # LoRA adapter on lm_head makes (``_adds_to_the_logits``).
 _LORA_ON_HEAD_FIX = (

@@ -69,6 +69,15 @@ def _categorical_log_prob_of_broadcast_ids(z, ids):
     return torch.distributions.Categorical(logits=z).log_prob(ids[0])  # (T,) against (B, T)
 
 
+def _log_of_probs_plus_eps(z, ids):
+    p = F.softmax(z, -1)
+    return -(p * torch.log(p + 1e-10)).sum(-1)
+
+
+def _categorical_of_probs_entropy(z, ids):
+    return torch.distributions.Categorical(probs=torch.softmax(z, -1)).entropy()
+
+
 def _clamped_at_another_bound(z, ids):
     log_p = F.log_softmax(z, -1)
     return -(torch.clamp(log_p, min=-10.0) * log_p.exp()).sum(-1)
@@ -140,6 +149,9 @@ CASES = {
         lambda z, i: -(z.softmax(-1) * z.softmax(-1).log()).sum(-1),
         ENTROPY,
     ),
+    # an epsilon in the log, Categorical's re-normalised probabilities: marked, as p.log()
+    "-(p * log(p + eps)).sum(-1)": (_log_of_probs_plus_eps, ENTROPY),
+    "Categorical(probs=softmax(z)) entropy": (_categorical_of_probs_entropy, ENTROPY),
     # near forms, left as they are
     "gather of fewer rows": (
         lambda z, i: F.log_softmax(z, -1).gather(-1, i[:, :2, None]),
@@ -222,7 +234,7 @@ def test_each_rule_rewrites_its_forms_and_leaves_near_forms_alone(captured):
     chosen = [rule for rule in rules.RULES if rule.__name__ in names]
     counts = {rule.__name__: rules.apply(gm.graph, rule, journal) for rule in chosen}
     expected = dict(sizes_read=0, in_place_scale=2, join_pieces=6, broadcast_value=1)
-    assert counts == dict(expected, log_probs=14, entropy=9), counts
+    assert counts == dict(expected, log_probs=14, entropy=11), counts
     became = {name: _became(node) for name, node in _outputs(gm).items()}
     assert became == {name: expected for name, (_, expected) in CASES.items()}
     for name, (_, expected) in CASES.items():
@@ -240,17 +252,19 @@ def test_each_rule_rewrites_its_forms_and_leaves_near_forms_alone(captured):
     expected_whys = {name: entropy_rules.NAN_AT_MINUS_INF for name in entropies}
     expected_whys["-(p * p.log()).sum(-1)"] = entropy_rules.LOG_OF_SOFTMAX
     expected_whys["Categorical entropy"] = None
+    expected_whys["-(p * log(p + eps)).sum(-1)"] = entropy_rules.EPS_IN_LOG
+    expected_whys["Categorical(probs=softmax(z)) entropy"] = entropy_rules.PROBS_RENORMALISED
     assert whys == expected_whys, whys
 
     # Lowering: each log-prob becomes a cross_entropy marked as such; an entropy whose rows
     # no cross_entropy reads gets one of its own.
     assert rules.apply(gm.graph, rules.lower_log_probs, journal) == 14
-    assert rules.apply(gm.graph, rules.dummy_loss, journal) == 9
+    assert rules.apply(gm.graph, rules.dummy_loss, journal) == 11
     forms = [canonical.form(n) for n in gm.graph.nodes if n.target is F.cross_entropy]
-    assert sorted(forms) == [canonical.ENTROPY] * 9 + [canonical.LOG_PROBS] * 14
+    assert sorted(forms) == [canonical.ENTROPY] * 11 + [canonical.LOG_PROBS] * 14
     # (each marked entropy's loss carries the mark: its site is left alone, saying why)
     marked = 2 * sum(why is not None for why in whys.values())
-    assert sum(canonical.LEFT_ALONE in n.meta for n in gm.graph.nodes) == marked == 16
+    assert sum(canonical.LEFT_ALONE in n.meta for n in gm.graph.nodes) == marked == 20
     gm.graph.lint()
 
     # With no fused site, the journal puts the graph back as the user's code made it.
