@@ -99,8 +99,9 @@ def linear_cross_entropy(
             unweighted mean over non-ignored rows for 'mean').
         return_lse: also return the per-row log-sum-exp of the (capped) logits, differentiable.
         return_entropy: also return each row's entropy of the softmax, -sum_j p_j log p_j
-            (float32), computed in the same pass; 0 at ignored rows. Differentiable (an RL
-            entropy bonus): its gradient is computed in the backward's recompute.
+            (float32), computed in the same pass; 0 at ignored rows; a class of logit -inf
+            adds 0 (0 log 0 = 0, as Categorical's). Differentiable (an RL entropy bonus): its
+            gradient is computed in the backward's recompute.
         return_argmax: also return each row's first class of the largest logit (int64, as
             torch.argmax; token accuracy is ``argmax == targets``); -1 at ignored rows.
         return_log_sum_sq_probs: also return each row's log sum_j p_j^2 (float32, no
