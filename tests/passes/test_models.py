@@ -4,7 +4,7 @@ The recommended recipe compiles the training step that turns inputs into the los
 logits die inside the graph: ``step = lambda ids, labels: model(ids, labels=labels).loss``.
 Compiling the model itself returns the logits: the default CCE_ESCAPING_LOGITS=drop fuses the
 training loss and returns a placeholder for them; =keep leaves the site alone (and says why).
-``hf_zoo.ZOO`` lists the families run in both recipes.
+``hf_zoo.ZOO`` lists the families run in both recipes, one per graph form, and what each adds.
 """
 
 from __future__ import annotations
