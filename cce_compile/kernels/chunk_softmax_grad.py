@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..loss_math import LOG_P_FLOOR
-from .common import cap_logits, row_coefficients
+from .common import cap_logits, next_power_of_2, row_coefficients
 
 
 @triton.jit
@@ -369,6 +369,6 @@ def _launch(
         NEEDS_ARGMAX=argmax_out is not None,
         GIVEN_LSE=given_lse,
         STATS_ONLY=stats_only,
-        BLOCK=min(block, triton.next_power_of_2(vocab)),
+        BLOCK=min(block, next_power_of_2(vocab)),
         num_warps=num_warps,
     )

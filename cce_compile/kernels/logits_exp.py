@@ -30,6 +30,7 @@ from .common import (
     RowLayout,
     TileConfig,
     capped_logits_tile,
+    cdiv,
     gemm_launch_options,
     grouped_tile,
     launch_grid,
@@ -143,7 +144,7 @@ def _logits_exp_kernel(
 
 def exp_blocks(vocab: int, config: TileConfig) -> int:
     """Columns of ``block_max`` and the partial buffers for ``vocab`` classes: one per tile."""
-    return triton.cdiv(vocab, config.block_v)
+    return cdiv(vocab, config.block_v)
 
 
 def _persistent_programs(device: torch.device) -> int:

@@ -23,6 +23,7 @@ import triton.language as tl
 from .common import (
     TileConfig,
     capped_logits_tile,
+    cdiv,
     check_operands,
     gemm_launch_options,
     grouped_tile,
@@ -206,7 +207,7 @@ def _lse_forward_kernel(
 
 def partial_blocks(vocab: int, config: TileConfig) -> int:
     """Rows of the partial buffers for ``vocab`` classes: one per program's vocab group."""
-    return triton.cdiv(vocab, config.block_v * config.tiles_per_program)
+    return cdiv(vocab, config.block_v * config.tiles_per_program)
 
 
 def lse_forward(

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import cdiv
+
 
 @triton.jit
 def _scale_cast_kernel(x, scale, out, numel, UNIT_IS_NOOP: tl.constexpr, BLOCK: tl.constexpr):
@@ -40,7 +42,7 @@ def scale_cast(
         raise ValueError("out must be a contiguous tensor of x's shape in dtype")
     if x.numel():
         block = 4096
-        _scale_cast_kernel[(triton.cdiv(x.numel(), block),)](
+        _scale_cast_kernel[(cdiv(x.numel(), block),)](
             x,
             scale.float().reshape(()),
             out,

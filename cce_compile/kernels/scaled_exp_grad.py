@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import row_coefficients
+from .common import next_power_of_2, row_coefficients
 
 # Classes per program loop step (a power of two: a multiple of ``max_block``).
 BLOCK = 2048
@@ -204,6 +204,6 @@ def scaled_exp_grad(
         HAS_WSUM=partial_wsum is not None,
         BLOCK=block,
         MAX_BLOCK=max_block,
-        BLOCKS=triton.next_power_of_2(blocks),
+        BLOCKS=next_power_of_2(blocks),
         num_warps=num_warps,
     )
