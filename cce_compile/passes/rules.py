@@ -39,8 +39,9 @@ Before them, ``sizes_read``: a size read from a tensor (``z.size(0)``, ``z.size(
 size itself, an int or the graph's node holding that SymInt, so that reading the logits' shape
 keeps no logits alive (under dynamic batch sizes it was an escaping use). After the in-place
 temperature, ``one_scaling``: the same constant scaling of one tensor written twice (TRL's
-``selective_log_softmax(z, ids, temperature=T)`` beside ``entropy_from_logits(z / T)``) is one
-node, so that both read the same logits.
+``selective_log_softmax(z, ids, temperature=T)`` beside ``entropy_from_logits(z / T)``), or the
+same slice (``z[:, :-1]`` for the loss and again for the entropy), is one node, so that both read
+the same logits.
 """
 
 from __future__ import annotations
@@ -95,15 +96,19 @@ def sizes_read(node: Node, journal: Journal) -> bool:
 
 
 def one_scaling(node: Node, journal: Journal) -> bool:
-    """``z / c`` (or ``z * c``) where an earlier node computes the same of the same ``z`` and
-    constant ``c``: its uses read the earlier node."""
-    spelling = next((s for s in (c.DIV, c.MUL) if s.args(node) is not None), None)
+    """``z / c`` (or ``z * c``), or a basic slice ``z[:, :-1]``, where an earlier node computes
+    the same of the same ``z`` (and constant ``c``) with nothing written to ``z`` between them:
+    its uses read the earlier node."""
+    spelling = next((s for s in (c.DIV, c.MUL, _SLICE) if s.args(node) is not None), None)
     if spelling is None:
         return False
     named = spelling.args(node)
-    z, factor = named["input"], named.get("other")
-    if p.tensor_value(z) is None or isinstance(factor, Node) or p.scalar(factor) is None:
+    z, other_operand = named["input"], named.get("other", named.get("index"))
+    value = p.tensor_value(z)
+    if value is None or not _constant_operand(spelling, other_operand):
         return False
+    if spelling is _SLICE and not value.dtype.is_floating_point:
+        return False  # (logits only: the ids' slices are read by what the site replaces)
     order = safety.node_order(node.graph)
     same = [
         other
@@ -112,6 +117,7 @@ def one_scaling(node: Node, journal: Journal) -> bool:
         and order[other] < order[node]
         and spelling.args(other) == named
         and (other.target, other.kwargs) == (node.target, node.kwargs)
+        and safety.first_write([z], other, node, order) is None
     ]
     if not same:
         return False
@@ -124,6 +130,28 @@ def one_scaling(node: Node, journal: Journal) -> bool:
 
     journal.record("one scaling", [z, node, same[0]], [], undo)
     return True
+
+
+_SLICE = c.call({operator.getitem}, params=("input", "index"))
+
+
+def _constant_operand(spelling: Any, operand: Any) -> bool:
+    """A scaling's constant factor, or a slice's index of slices, ints, None and ``...``
+    with no tensor or symbolic part (the same index picks the same elements)."""
+    if spelling is not _SLICE:
+        return not isinstance(operand, Node) and p.scalar(operand) is not None
+    parts = operand if isinstance(operand, tuple) else (operand,)
+
+    def plain(value: Any) -> bool:
+        return value is None or (isinstance(value, int) and not isinstance(value, bool))
+
+    return all(
+        part is None
+        or part is Ellipsis
+        or plain(part)
+        or (isinstance(part, slice) and all(plain(v) for v in (part.start, part.stop, part.step)))
+        for part in parts
+    )
 
 
 def canonicalize(graph: Graph) -> Journal:
@@ -443,7 +471,7 @@ RULES = (
 # The last node of each rule's forms, by its spellings.
 _ENDS = {
     "sizes_read": (c.SIZE, c.call({operator.getitem}, params=("input", "index"))),
-    "one_scaling": (c.DIV, c.MUL),
+    "one_scaling": (c.DIV, c.MUL, _SLICE),
     "in_place_scale": (c.DIV_, c.MUL_),
     "join_pieces": (c.STACK, c.CAT),
     "broadcast_value": (categorical.BROADCAST,),

@@ -478,3 +478,40 @@ def test_the_rewritten_graph_keeps_no_dead_node():
     _, compiled = compile_and_run(loss, (x, w, ids))
     assert compiled.counts == {"rewritten": 1}
     assert not safety.dead_nodes(compiled.graphs[0].graph), compiled.graphs[0].code
+
+
+def test_the_same_rows_sliced_twice_are_one_slice():
+    """``z[:, :-1]`` written for the loss and again for the entropy (and for log-probs beside
+    a Categorical entropy): the same rows, fused in one call (each escaped the other before)."""
+    from torch.distributions import Categorical
+
+    def loss_and_entropy(x, w, ids):
+        z = F.linear(x, w)
+        loss = F.cross_entropy(z[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
+        return loss - 0.01 * Categorical(logits=z[:, :-1]).entropy().mean()
+
+    def log_probs_and_entropy(x, w, ids):
+        z = F.linear(x, w) / TEMPERATURE
+        log_probs = z[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        return log_probs, trl_entropy(z[:, :-1])
+
+    x, (w,), ids, _ = make_inputs(torch.float32, ["one"], seed=5)
+    for step in (loss_and_entropy, log_probs_and_entropy):
+        outcome = check(step, (x, w, ids), backward_all=True)
+        assert outcome.rewritten == 1 and outcome.skipped == {} and outcome.has_op, outcome
+
+
+def test_a_write_between_two_equal_scalings_keeps_them_apart():
+    """``z / T`` twice with ``z`` written in place between them: two different tensors, not
+    one (the second reads the written ``z``); the site is left alone, eager's values kept."""
+
+    def step(x, w, ids):
+        z = F.linear(x, w)
+        first = z / TEMPERATURE
+        log_probs = first.log_softmax(-1).gather(-1, ids[..., None]).squeeze(-1)
+        z.add_(1.0)
+        return log_probs, trl_entropy(z / TEMPERATURE)
+
+    x, (w,), ids, _ = make_inputs(torch.float32, ["one"], seed=6)
+    outcome = check(step, (x, w, ids), backward_all=True)
+    assert outcome.rewritten == 0, outcome

@@ -287,3 +287,51 @@ def test_the_canonical_ops_decompose_to_the_math_they_stand_for():
     torch.testing.assert_close(entropy, -(log_p.exp() * log_p).sum(-1))
     (grad,) = torch.autograd.grad(entropy.sum(), z)  # (CompositeImplicitAutograd: autograd's)
     torch.testing.assert_close(grad, torch.autograd.grad(verl_entropy(z).sum(), z)[0])
+
+
+def _graph_of(fn, *args):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)
+    (gm,) = graphs
+    return gm
+
+
+def _write_between_slices(z):
+    first = z[:, :-1].sum()
+    z.add_(1.0)
+    return first, z[:, :-1].sum()
+
+
+def _write_between_scalings(z):
+    first = z / TEMPERATURE
+    z.mul_(2.0)
+    return first, z / TEMPERATURE
+
+
+ONE_SCALING_CASES = {
+    # name: (function of z, how many nodes the rule makes read an earlier equal one)
+    "the same scaling twice": (lambda z: (z / TEMPERATURE, z / TEMPERATURE), 1),
+    "the same slice twice": (lambda z: (z[:, :-1].sum(-1), z[:, :-1].exp()), 1),
+    "other slices": (lambda z: (z[:, :-1], z[:, 1:]), 0),
+    "other factors": (lambda z: (z / TEMPERATURE, z / 0.5), 0),
+    "a write between the slices": (_write_between_slices, 0),
+    "a write between the scalings": (_write_between_scalings, 0),
+}
+
+
+@pytest.mark.parametrize("case", ONE_SCALING_CASES, ids=list(ONE_SCALING_CASES))
+def test_one_scaling_merges_only_equal_computations_of_unwritten_logits(case):
+    fn, expected = ONE_SCALING_CASES[case]
+    z = torch.randn(B, T, V, generator=torch.Generator().manual_seed(2))
+    gm = _graph_of(lambda x: fn(x * 1.0), z)  # (made by the graph: writable in place)
+    journal = Journal(gm.graph)
+    assert rules.apply(gm.graph, rules.one_scaling, journal) == expected
+    journal.settle([])
+    journal.finish()
+    gm.graph.lint()
