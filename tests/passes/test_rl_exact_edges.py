@@ -87,6 +87,35 @@ def test_categorical_entropy_of_a_head_with_a_minus_inf_bias_fuses_finite_and_ex
         assert_close(f"gradient of {name}", g.double(), expected, GRAD_RTOL[torch.float32])
 
 
+def _exact_entropy(z):
+    """The entropy with 0 log 0 = 0, in a spelling whose gradient cannot overflow: a masked
+    class's log-prob is never multiplied (float64, the oracle)."""
+    log_p = F.log_softmax(z, -1)
+    p = log_p.exp()
+    return -(p * torch.where(p > 0, log_p, 0)).sum(-1)
+
+
+def test_categorical_entropy_gradient_at_a_minus_inf_logit_is_exact_where_eager_overflows():
+    """With an upstream of 2 on the entropy, eager Categorical's gradient is NaN at a masked
+    class: its clamp at finfo.min times 2 overflows to -inf, and softmax's backward makes 0 *
+    inf = NaN (every |dL/dH| > 1 does). The op's gradient is the exact one there (0 at that
+    class): finite, and within the oracle's tolerance of float64's exact gradient."""
+    x, w, b, ids = _masked_inputs()
+    (log_probs, entropy), compiled = compile_and_run(categorical_entropy, (x, w, b, ids))
+    assert compiled.counts == {"rewritten": 1}, compiled.counts
+    got = torch.autograd.grad(log_probs.sum() + 2 * entropy.sum(), (x, w))
+    eager_log_probs, eager_entropy = categorical_entropy(x, w, b, ids)
+    eager = torch.autograd.grad(eager_log_probs.sum() + 2 * eager_entropy.sum(), (x, w))
+    assert all(torch.isnan(g).any() for g in eager), "eager's gradient overflows: the case's point"
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    z64 = F.linear(x64, w64, b.double()) / TEMPERATURE
+    want_log_probs = F.log_softmax(z64, -1).gather(-1, ids[..., None]).squeeze(-1)
+    want = torch.autograd.grad(want_log_probs.sum() + 2 * _exact_entropy(z64).sum(), (x64, w64))
+    for name, g, expected in zip(("hidden", "classifier"), got, want):
+        assert torch.isfinite(g).all() and torch.isfinite(expected).all(), name
+        assert_close(f"gradient of {name}", g.double(), expected, GRAD_RTOL[torch.float32])
+
+
 def test_categorical_log_prob_of_a_biased_head_fuses():
     x, w, b, ids = _masked_inputs()
     log_probs, compiled = compile_and_run(categorical_log_prob, (x, w, b, ids))
