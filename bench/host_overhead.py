@@ -199,6 +199,8 @@ class LayerClock:
                 layer = _layer_of(value)
                 if layer is not None and inspect.isfunction(value):
                     found.append(mock.patch.object(module, attr, self.wrap(value, layer)))
+                elif inspect.isclass(value) and value.__module__ == name:
+                    found.extend(self._method_patches(value))
         for name in _ALLOCATORS:
             found.append(
                 mock.patch.object(torch, name, self.wrap(getattr(torch, name), "allocation"))
@@ -214,6 +216,21 @@ class LayerClock:
                 self.wrap(run, "Triton launch (stubbed on CPU)"),
             )
         )
+        return found
+
+    def _method_patches(self, cls) -> list:
+        """The methods of a package class (its ``__init__``, no other dunder; static methods
+        too): the launchers' prepared launches are classes."""
+        found = []
+        for attr, value in list(vars(cls).items()):
+            if attr.startswith("__") and attr != "__init__":
+                continue
+            static = isinstance(value, staticmethod)
+            fn = value.__func__ if static else value
+            layer = _layer_of(fn) if inspect.isfunction(fn) else None
+            if layer is not None:
+                timed = self.wrap(fn, layer)
+                found.append(mock.patch.object(cls, attr, staticmethod(timed) if static else timed))
         return found
 
 

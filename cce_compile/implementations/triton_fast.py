@@ -33,8 +33,8 @@ import torch
 from .. import policy
 from ..kernels.chunk_softmax_grad import chunk_row_stats, chunk_softmax_grad
 from ..kernels.common import RowLayout, TileConfig, row_layout
-from ..kernels.logits_exp import exp_blocks, logits_exp
-from ..kernels.scaled_exp_grad import scaled_exp_grad
+from ..kernels.logits_exp import LogitsExpLaunch, exp_blocks
+from ..kernels.scaled_exp_grad import ScaledExpGradLaunch
 from ..loss_math import RowTargets, finish_loss, row_coefficient_parts
 from . import triton_shared as shared
 from .interface import (
@@ -190,11 +190,10 @@ class _FastBuffers:
         self.entropy, self.argmax = shared.part(self.entropy, 0, n), shared.part(self.argmax, 0, n)
         self.grad_positions = shared.part(self.grad_positions, 0, n)
 
-    def fused_parts(self, n: int) -> tuple:
-        """The first ``n`` rows of the fused buffers: (gradient, tile maxima, partial lse,
-        partial weighted sums or None)."""
-        wsum = None if self.partial_wsum is None else self.partial_wsum[:n]
-        return self.grad[:n], self.block_max[:n], self.partial_lse[:n], wsum
+    def fused_buffers(self) -> tuple:
+        """The fused buffers, whose first rows each chunk takes: (gradient, tile maxima,
+        partial lse, partial weighted sums or None)."""
+        return self.grad, self.block_max, self.partial_lse, self.partial_wsum
 
     def chunk_outputs(self, start: int, stop: int) -> dict:
         """``chunk_softmax_grad``'s output arguments for the positions [start, stop)."""
@@ -293,7 +292,9 @@ class _FastRun:
     positions: torch.Tensor
     out: _FastBuffers
     static_args: dict
+    gemm: LogitsExpLaunch | None  # fused: the logits GEMM's launch, built once a call
     coefs: _PositionCoefficients | None = None
+    pass2: ScaledExpGradLaunch | None = None  # fused: built with the coefficients
 
     @staticmethod
     def plan(head, rows, needs: Needs, extras, split, kept) -> _FastRun:
@@ -359,13 +360,15 @@ class _FastRun:
             positions=positions,
             out=out,
             static_args=static_args,
+            gemm=_fused_gemm_launch(positions, classifier, targets, out, static_args)
+            if fused
+            else None,
         )
 
     def logits(self, start: int, stop: int, row_limit: torch.Tensor | None = None):
         """The chunk's logits GEMM (fused: its scaled exponentials), queued."""
         if self.fused:
-            operands = (self.positions, self.classifier, self.static_args, self.targets)
-            _fused_gemm(*operands, self.out, (start, stop), row_limit)
+            _fused_gemm(self.gemm, (start, stop), row_limit)
             return None
         chunk_logits = self.out.logits[: stop - start]
         shared.matmul(self.positions[start:stop], self.classifier.t(), out=chunk_logits)
@@ -374,11 +377,13 @@ class _FastRun:
     def gradients(self, start: int, stop: int, chunk_logits) -> None:
         """The chunk's pass 2 (its gradient, in place) and its shares of the gradients."""
         out = self.out
-        if stop > start:  # (no rows: only the classifier's gradient, zero, is written)
+        if stop > start and self.fused:
+            if self.pass2 is None:  # (the coefficients come after the first chunk's GEMM)
+                self.pass2 = _fused_pass2_launch(self.coefs, self.static_args, out)
+            self.pass2.launch(start, stop)
+        elif stop > start:  # (no rows: only the classifier's gradient, zero, is written)
             kernel_args = dict(self.static_args, **self.coefs.chunk(start, stop))
-            if self.fused:
-                _fused_pass2(kernel_args, out, (start, stop))
-            elif self.split is None:
+            if self.split is None:
                 chunk_softmax_grad(chunk_logits, **kernel_args, **out.chunk_outputs(start, stop))
             else:
                 _shard_chunk(chunk_logits, kernel_args, out, (start, stop), self.split)
@@ -405,57 +410,52 @@ def _plan(head: HeadInputs, hidden: torch.Tensor, whole_rows: bool, split) -> tu
     return layout, problem, policy.fast_fuses_exp(problem, whole_rows)
 
 
-def _fused_gemm(
+def _fused_gemm_launch(
     positions: torch.Tensor,
     classifier: torch.Tensor,
-    static_args: dict,
     targets: torch.Tensor,
     out: _FastBuffers,
-    span: tuple,
-    row_limit: torch.Tensor | None,
-) -> None:
-    """The scaled exponentials of the positions [start, stop) (``span``) from the logits
-    GEMM's epilogue (``logits_exp``), with their tile maxima, partial lse (and weighted sums)
-    and target logits; ``row_limit``: the chunk's rows past a count on the device are left."""
-    start, stop = span
-    grad, block_max, partial_lse, partial_wsum = out.fused_parts(stop - start)
-    logits_exp(
-        positions[start:stop],
+    static_args: dict,
+) -> LogitsExpLaunch:
+    """The fused logits GEMM (``logits_exp``) over the call's positions, its operands checked
+    and its per-call arguments built once for every chunk."""
+    return LogitsExpLaunch(
+        positions,
         classifier,
-        targets[start:stop],
-        grad,
-        block_max,
-        partial_lse,
-        shared.part(out.stats[1], start, stop),
-        partial_wsum,
+        targets,
+        out.stats[1],
+        out.fused_buffers(),
         logit_scale=static_args["logit_scale"],
         bias=static_args["bias"],
         class_weights=static_args["class_weights"],
         config=out.fused_tiles,
-        row_limit=row_limit,
     )
 
 
-def _fused_pass2(kernel_args: dict, out: _FastBuffers, span: tuple) -> None:
-    """After ``_fused_gemm``: the gradient in place, and the rows' lse (and weighted sums)
-    from the GEMM's partials, in one launch (``scaled_exp_grad``)."""
-    start, stop = span
-    grad, block_max, partial_lse, partial_wsum = out.fused_parts(stop - start)
-    lse, target_logit, wsum = (shared.part(s, start, stop) for s in out.stats)
-    coefs = tuple(kernel_args[k] for k in ("p_base", "p_per_lse", "coef_t", "coef_w"))
-    scaled_exp_grad(
-        grad,
-        block_max,
-        partial_lse,
-        kernel_args["targets"],
+def _fused_gemm(gemm: LogitsExpLaunch, span: tuple, row_limit: torch.Tensor | None) -> None:
+    """The scaled exponentials of the positions [start, stop) (``span``) from the logits
+    GEMM's epilogue, with their tile maxima, partial lse (and weighted sums) and target
+    logits; ``row_limit``: the chunk's rows past a count on the device are left."""
+    gemm.launch(*span, row_limit)
+
+
+def _fused_pass2_launch(
+    coefs: _PositionCoefficients, static_args: dict, out: _FastBuffers
+) -> ScaledExpGradLaunch:
+    """After ``_fused_gemm``, per chunk: the gradient in place, and the rows' lse (and
+    weighted sums) from the GEMM's partials, in one launch (``scaled_exp_grad``), over the
+    call's positions."""
+    lse, target_logit, wsum = out.stats
+    return ScaledExpGradLaunch(
+        out.fused_buffers(),
+        coefs.targets,
         target_logit,
-        coefs,
+        (coefs.p_base, coefs.p_per_lse, coefs.coef_t, coefs.coef_w),
         lse,
-        partial_wsum=partial_wsum,
-        wsum=None if partial_wsum is None else wsum,
-        logit_scale=kernel_args["logit_scale"],
-        smoothing=kernel_args["smoothing"],
-        class_weights=kernel_args["class_weights"],
+        wsum=None if out.partial_wsum is None else wsum,
+        logit_scale=static_args["logit_scale"],
+        smoothing=static_args["smoothing"],
+        class_weights=static_args["class_weights"],
         max_block=out.fused_tiles.block_v,
     )
 

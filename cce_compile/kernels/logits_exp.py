@@ -27,14 +27,13 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import (
-    RowLayout,
     TileConfig,
     capped_logits_tile,
     cdiv,
     gemm_launch_options,
     grouped_tile,
     launch_grid,
-    operand_args,
+    operands_tma_ok,
     tma_ok,
 )
 
@@ -166,6 +165,163 @@ def _check_row_buffer(name: str, t: torch.Tensor | None, shape: tuple) -> None:
         raise ValueError(f"{name} must be float32 {shape} with a unit last stride")
 
 
+def _check_head(h: torch.Tensor, classifier: torch.Tensor, bias, class_weights) -> None:
+    """The operands every chunk of a call shares: the classifier, bias and class weights."""
+    dim = h.shape[1]
+    vocab = classifier.shape[0]
+    if classifier.shape != (vocab, dim) or classifier.dtype != h.dtype:
+        raise ValueError(f"classifier must be {h.dtype} ({vocab}, {dim}) like h")
+    if h.stride(1) != 1 or classifier.stride(1) != 1:
+        raise ValueError("h and classifier need unit column strides")
+    for name, vector in (("bias", bias), ("class_weights", class_weights)):
+        if vector is not None and vector.shape != (vocab,):
+            raise ValueError(f"{name} must be ({vocab},)")
+
+
+def _check_rows(n_rows: int, targets: torch.Tensor, target_logit: torch.Tensor) -> None:
+    """The per-row vectors, indexed by the row alone in the kernel: contiguous."""
+    if targets.shape != (n_rows,) or targets.dtype != torch.int64 or not targets.is_contiguous():
+        raise ValueError(f"targets must be contiguous int64 ({n_rows},)")
+    if not target_logit.is_contiguous():
+        raise ValueError("target_logit must be contiguous")
+    _check_row_buffer("target_logit", target_logit, (n_rows,))
+
+
+def _check_buffers(buffers: tuple, vocab: int, tiles: int) -> None:
+    """(exps, block_max, partial_lse, partial_wsum or None) of one row count."""
+    exps, block_max, partial_lse, partial_wsum = buffers
+    rows = exps.shape[0]
+    if exps.shape != (rows, vocab) or exps.stride(1) != 1:
+        raise ValueError(f"exps must be ({rows}, {vocab}) with a unit column stride")
+    for name, t in (("block_max", block_max), ("partial_lse", partial_lse)):
+        _check_row_buffer(name, t, (rows, tiles))
+    _check_row_buffer("partial_wsum", partial_wsum, (rows, tiles))
+    strides = {t.stride(0) for t in (block_max, partial_lse, partial_wsum) if t is not None}
+    if len(strides) != 1:
+        raise ValueError("block_max, partial_lse and partial_wsum need one row stride")
+
+
+class LogitsExpLaunch:
+    """``logits_exp`` over the chunks of one call: the operands checked, and what every chunk
+    shares (the classifier's descriptor, contiguous bias and class weights, strides, launch
+    options) built, once. Fast mode launches it once a chunk; rebuilding all of it per launch
+    was ~67 us of host time a launch at shape C, where the GPU waits for the host (issue 41).
+
+    ``positions`` (n, D), ``targets`` and ``target_logit`` (n,): the call's rows, of which a
+    chunk takes [start, stop). ``buffers`` = (exps, block_max, partial_lse, partial_wsum or
+    None) as ``logits_exp`` takes them, for any chunk's rows from their first row on (at least
+    the longest chunk's). The other arguments are ``logits_exp``'s."""
+
+    def __init__(
+        self,
+        positions: torch.Tensor,
+        classifier: torch.Tensor,
+        targets: torch.Tensor,
+        target_logit: torch.Tensor,
+        buffers: tuple,
+        *,
+        logit_scale: float,
+        bias: torch.Tensor | None = None,
+        class_weights: torch.Tensor | None = None,
+        config: TileConfig,
+        programs: int | None = None,
+    ):
+        n_rows, dim = positions.shape
+        vocab = classifier.shape[0]
+        _check_head(positions, classifier, bias, class_weights)
+        _check_rows(n_rows, targets, target_logit)
+        _check_buffers(buffers, vocab, exp_blocks(vocab, config))
+        exps, block_max, partial_lse, partial_wsum = buffers
+        self.positions, self.classifier, self.config = positions, classifier, config
+        self.targets, self.target_logit, self.buffers = targets, target_logit, buffers
+        self.n_rows, self.rows, self.vocab, self.dim = n_rows, exps.shape[0], vocab, dim
+        self.programs = programs or _persistent_programs(positions.device)
+        self.bias = bias.contiguous() if bias is not None else classifier
+        self.class_weights = class_weights.contiguous() if class_weights is not None else classifier
+        self.strides = (positions.stride(0), classifier.stride(0), exps.stride(0))
+        self.tile_stride = block_max.stride(0)
+        self.logit_scale = float(logit_scale)
+        # Whether the operands allow TMA does not depend on the chunk: a chunk starts a whole
+        # number of 16-byte rows after the positions' first (tma_ok checks the row stride).
+        self.use_tma = operands_tma_ok(positions, positions.stride(0), classifier) and tma_ok(
+            exps, exps.stride(0)
+        )
+        self.flags = dict(
+            HAS_WEIGHTS=class_weights is not None,
+            NEEDS_WSUM=partial_wsum is not None,
+            **gemm_launch_options(
+                config, positions, use_tma=self.use_tma, has_bias=bias is not None, softcap=0.0
+            ),
+        )
+        self._classifier_desc = None
+        self._chunk_buffers: dict[int, tuple] = {}  # by row count: at most two a call
+
+    def launch(self, start: int, stop: int, row_limit: torch.Tensor | None = None) -> None:
+        """The chunk of rows [start, stop), written to the buffers' first stop - start rows;
+        ``row_limit``: as ``logits_exp``'s (the rows before it alone are computed)."""
+        n = stop - start
+        if not 0 <= start <= stop <= self.n_rows or n > self.rows:
+            raise ValueError(f"chunk [{start}, {stop}) outside {self.n_rows} rows or its buffers")
+        if row_limit is not None and (
+            row_limit.numel() != 1
+            or row_limit.dtype != torch.int64
+            or row_limit.device != self.positions.device
+        ):
+            raise ValueError(f"row_limit must be one int64 on {self.positions.device}")
+        if n == 0 or self.vocab == 0:
+            return
+        h, targets = self.positions[start:stop], self.targets[start:stop]
+        exps_arg, block_max, partial_lse, partial_wsum = self._buffers(n)
+        hidden_arg, classifier_arg = h, self.classifier
+        if self.use_tma:
+            config = self.config
+            hidden_arg = TensorDescriptor(
+                h, [n, self.dim], [self.strides[0], 1], [config.block_n, config.block_d]
+            )
+            classifier_arg = self._classifier_descriptor()
+        tile_count = launch_grid(n, self.vocab, self.config)[0]
+        _logits_exp_kernel[(min(tile_count, self.programs),)](
+            hidden_arg,
+            classifier_arg,
+            self.bias,
+            self.class_weights,
+            targets,
+            exps_arg,
+            block_max,
+            partial_lse,
+            partial_wsum if partial_wsum is not None else partial_lse,
+            self.target_logit[start:stop],
+            row_limit if row_limit is not None else targets,
+            n,
+            self.vocab,
+            self.dim,
+            *self.strides,
+            self.tile_stride,
+            self.logit_scale,
+            HAS_ROW_LIMIT=row_limit is not None,
+            **self.flags,
+        )
+
+    def _buffers(self, n: int) -> tuple:
+        """The buffers' first ``n`` rows (exps as its descriptor where stored by TMA)."""
+        parts = self._chunk_buffers.get(n)
+        if parts is None:
+            exps, *partials = (None if t is None else t[:n] for t in self.buffers)
+            if self.use_tma:
+                block = [self.config.block_n, self.config.block_v]
+                exps = TensorDescriptor(exps, [n, self.vocab], [exps.stride(0), 1], block)
+            parts = self._chunk_buffers[n] = (exps, *partials)
+        return parts
+
+    def _classifier_descriptor(self) -> TensorDescriptor:
+        if self._classifier_desc is None:  # (built at the first launch with rows and classes)
+            block = [self.config.block_v, self.config.block_d]
+            self._classifier_desc = TensorDescriptor(
+                self.classifier, [self.vocab, self.dim], [self.strides[1], 1], block
+            )
+        return self._classifier_desc
+
+
 def logits_exp(
     h: torch.Tensor,
     classifier: torch.Tensor,
@@ -196,68 +352,18 @@ def logits_exp(
     before it are computed, for a count that has not reached the host (compaction's
     kept-first rows). The per-row outputs of the rest are left as they were, and so are their
     ``exps`` rows past the row tile the count ends in (a tile is stored whole)."""
-    n_rows, dim = h.shape
-    vocab = classifier.shape[0]
-    if classifier.shape != (vocab, dim) or classifier.dtype != h.dtype:
-        raise ValueError(f"classifier must be {h.dtype} ({vocab}, {dim}) like h")
-    if h.stride(1) != 1 or classifier.stride(1) != 1:
-        raise ValueError("h and classifier need unit column strides")
-    if exps.shape != (n_rows, vocab) or exps.stride(1) != 1:
-        raise ValueError(f"exps must be ({n_rows}, {vocab}) with a unit column stride")
-    if targets.shape != (n_rows,) or targets.dtype != torch.int64 or not targets.is_contiguous():
-        raise ValueError(f"targets must be contiguous int64 ({n_rows},)")
-    if not target_logit.is_contiguous():
-        raise ValueError("target_logit must be contiguous")
-    tiles = exp_blocks(vocab, config)
-    for name, t in (("block_max", block_max), ("partial_lse", partial_lse)):
-        _check_row_buffer(name, t, (n_rows, tiles))
-    _check_row_buffer("partial_wsum", partial_wsum, (n_rows, tiles))
-    _check_row_buffer("target_logit", target_logit, (n_rows,))
-    strides = {t.stride(0) for t in (block_max, partial_lse, partial_wsum) if t is not None}
-    if len(strides) != 1:
-        raise ValueError("block_max, partial_lse and partial_wsum need one row stride")
-    for name, vector in (("bias", bias), ("class_weights", class_weights)):
-        if vector is not None and vector.shape != (vocab,):
-            raise ValueError(f"{name} must be ({vocab},)")
-    if row_limit is not None and (
-        row_limit.numel() != 1 or row_limit.dtype != torch.int64 or row_limit.device != h.device
-    ):
-        raise ValueError(f"row_limit must be one int64 on {h.device}")
-    if n_rows == 0 or vocab == 0:
-        return
-    layout = RowLayout(h, n_rows, n_rows, n_rows, h.stride(0), n_rows)
-    hidden_arg, classifier_arg, use_tma = operand_args(layout, classifier, config)
-    exps_arg = exps
-    if use_tma and tma_ok(exps, exps.stride(0)):
-        exps_arg = TensorDescriptor(
-            exps, list(exps.shape), [exps.stride(0), 1], [config.block_n, config.block_v]
-        )
-    else:  # one form for loads and the store
-        use_tma = False
-        hidden_arg, classifier_arg = h, classifier
-    tile_count = launch_grid(n_rows, vocab, config)[0]
-    _logits_exp_kernel[(min(tile_count, programs or _persistent_programs(h.device)),)](
-        hidden_arg,
-        classifier_arg,
-        bias.contiguous() if bias is not None else classifier,
-        class_weights.contiguous() if class_weights is not None else classifier,
+    n_rows = h.shape[0]
+    if exps.shape[0] != n_rows:
+        raise ValueError(f"exps must have h's {n_rows} rows")
+    LogitsExpLaunch(
+        h,
+        classifier,
         targets,
-        exps_arg,
-        block_max,
-        partial_lse,
-        partial_wsum if partial_wsum is not None else partial_lse,
         target_logit,
-        row_limit if row_limit is not None else targets,
-        n_rows,
-        vocab,
-        dim,
-        h.stride(0),
-        classifier.stride(0),
-        exps.stride(0),
-        block_max.stride(0),
-        float(logit_scale),
-        HAS_WEIGHTS=class_weights is not None,
-        NEEDS_WSUM=partial_wsum is not None,
-        HAS_ROW_LIMIT=row_limit is not None,
-        **gemm_launch_options(config, h, use_tma=use_tma, has_bias=bias is not None, softcap=0.0),
-    )
+        (exps, block_max, partial_lse, partial_wsum),
+        logit_scale=logit_scale,
+        bias=bias,
+        class_weights=class_weights,
+        config=config,
+        programs=programs,
+    ).launch(0, n_rows, row_limit)

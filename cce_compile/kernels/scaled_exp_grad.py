@@ -115,6 +115,135 @@ def _scaled_exp_grad_kernel(
         tl.store(exp_ptr + cols, g.to(exps.dtype.element_ty), mask=ok)
 
 
+def _check_buffers(buffers: tuple, wsum, block: int, max_block: int) -> None:
+    """(exps, block_max, partial_lse, partial_wsum or None) of one row count."""
+    exps, block_max, partial_lse, partial_wsum = buffers
+    rows, vocab = exps.shape
+    if exps.stride(1) != 1 or not exps.dtype.is_floating_point:
+        raise ValueError("exps must be floating (n, V) with unit column stride")
+    if block % max_block:
+        raise ValueError(f"max_block {max_block} must divide block {block}")
+    blocks = -(-vocab // max_block)
+    for name, t in (("block_max", block_max), ("partial_lse", partial_lse)):
+        if t.shape != (rows, blocks) or t.dtype != torch.float32 or t.stride(1) != 1:
+            raise ValueError(f"{name} must be float32 ({rows}, {blocks}), unit column stride")
+    if (partial_wsum is None) != (wsum is None):
+        raise ValueError("partial_wsum and wsum come together")
+    if partial_wsum is not None and (
+        partial_wsum.shape != partial_lse.shape
+        or partial_wsum.dtype != torch.float32
+        or partial_wsum.stride() != partial_lse.stride()
+    ):
+        raise ValueError("partial_wsum must be float32 like partial_lse, with its strides")
+
+
+def _check_rows(n_rows: int, targets, vectors: tuple, class_weights, vocab: int) -> None:
+    """The per-row vectors: the program indexes each by its row alone, so a strided view
+    would be misread."""
+    if targets.shape != (n_rows,) or targets.dtype != torch.int64 or not targets.is_contiguous():
+        raise ValueError(f"targets must be contiguous int64 ({n_rows},)")
+    if class_weights is not None and class_weights.shape != (vocab,):
+        raise ValueError(f"class_weights must be ({vocab},)")
+    for t in vectors:
+        if t is not None and (
+            t.shape != (n_rows,) or t.dtype != torch.float32 or not t.is_contiguous()
+        ):
+            raise ValueError(f"row vectors must be contiguous float32 ({n_rows},)")
+
+
+class ScaledExpGradLaunch:
+    """``scaled_exp_grad`` over the chunks of one call, its operands checked once: fast mode
+    launches it once a chunk, and the host's per-launch checks and slicing add up where the
+    GPU waits for the host (shape C, issue 41).
+
+    ``buffers`` = (exps, block_max, partial_lse, partial_wsum or None), for any chunk's rows
+    from their first row on (at least the longest chunk's); ``targets``, ``target_logit``,
+    ``coefs``, ``lse`` and ``wsum``: the call's rows, of which a chunk takes [start, stop).
+    The other arguments are ``scaled_exp_grad``'s."""
+
+    def __init__(
+        self,
+        buffers: tuple,
+        targets: torch.Tensor,
+        target_logit: torch.Tensor,
+        coefs: tuple,
+        lse: torch.Tensor,
+        *,
+        wsum: torch.Tensor | None = None,
+        logit_scale: float,
+        smoothing: bool,
+        class_weights: torch.Tensor | None = None,
+        max_block: int,
+        block: int = BLOCK,
+        num_warps: int = 8,
+    ):
+        _check_buffers(buffers, wsum, block, max_block)
+        exps, block_max, partial_lse, partial_wsum = buffers
+        if targets.dim() != 1:
+            raise ValueError("targets must be contiguous int64 (n,)")
+        self.n_rows, self.rows, self.vocab = targets.shape[0], exps.shape[0], exps.shape[1]
+        vectors = (target_logit, *coefs, lse, wsum)
+        _check_rows(self.n_rows, targets, vectors, class_weights, self.vocab)
+        self.buffers = buffers
+        self.vectors = (targets, *vectors)  # targets, target_logit, 4 coefficients, lse, wsum
+        self.class_weights = class_weights.contiguous() if class_weights is not None else None
+        self.strides = (exps.stride(0), block_max.stride(0), partial_lse.stride(0))
+        self.logit_scale = float(logit_scale)
+        self.flags = dict(
+            HAS_WEIGHTS=class_weights is not None,
+            HAS_SMOOTHING=smoothing,
+            HAS_Z_LOSS=coefs[1] is not None,
+            HAS_WSUM=partial_wsum is not None,
+            BLOCK=block,
+            MAX_BLOCK=max_block,
+            BLOCKS=next_power_of_2(block_max.shape[1]),
+            num_warps=num_warps,
+        )
+        self._chunk_buffers: dict[int, tuple] = {}  # by row count: at most two a call
+
+    def launch(self, start: int, stop: int) -> None:
+        """The chunk of rows [start, stop), in the buffers' first stop - start rows."""
+        n = stop - start
+        if not 0 <= start <= stop <= self.n_rows or n > self.rows:
+            raise ValueError(f"chunk [{start}, {stop}) outside {self.n_rows} rows or its buffers")
+        sliced = [None if t is None else t[start:stop] for t in self.vectors]
+        targets, target_logit, p_base, p_per_lse, coef_t, coef_w, lse, wsum = sliced
+        if self.vocab == 0:  # no classes: each row's lse is log(0), as torch.logsumexp's
+            lse.fill_(float("-inf"))
+            if wsum is not None:
+                wsum.zero_()
+            return
+        if n == 0:
+            return
+        exps, block_max, partial_lse, partial_wsum = self._buffers(n)
+        _scaled_exp_grad_kernel[(n,)](
+            exps,
+            block_max,
+            partial_lse,
+            partial_wsum if partial_wsum is not None else partial_lse,
+            targets,
+            self.class_weights if self.class_weights is not None else p_base,
+            target_logit,
+            p_base,
+            p_per_lse if p_per_lse is not None else p_base,
+            coef_t,
+            coef_w,
+            lse,
+            wsum if wsum is not None else lse,
+            self.vocab,
+            *self.strides,
+            self.logit_scale,
+            **self.flags,
+        )
+
+    def _buffers(self, n: int) -> tuple:
+        parts = self._chunk_buffers.get(n)
+        if parts is None:
+            parts = tuple(None if t is None else t[:n] for t in self.buffers)
+            self._chunk_buffers[n] = parts
+        return parts
+
+
 def scaled_exp_grad(
     exps: torch.Tensor,
     block_max: torch.Tensor,
@@ -144,66 +273,20 @@ def scaled_exp_grad(
     float32; ``targets`` (n,) int64, each row's target column (clamped for rows without a
     loss: their coefficients are 0); ``coefs`` = (p_base, p_per_lse or None, coef_t, coef_w),
     float32 (n,) each, as ``chunk_softmax_grad`` takes them."""
-    n_rows, vocab = exps.shape
-    if exps.stride(1) != 1 or not exps.dtype.is_floating_point:
-        raise ValueError("exps must be floating (n, V) with unit column stride")
-    if block % max_block:
-        raise ValueError(f"max_block {max_block} must divide block {block}")
-    blocks = -(-vocab // max_block)
-    for name, t in (("block_max", block_max), ("partial_lse", partial_lse)):
-        if t.shape != (n_rows, blocks) or t.dtype != torch.float32 or t.stride(1) != 1:
-            raise ValueError(f"{name} must be float32 ({n_rows}, {blocks}), unit column stride")
-    if (partial_wsum is None) != (wsum is None):
-        raise ValueError("partial_wsum and wsum come together")
-    if partial_wsum is not None and (
-        partial_wsum.shape != partial_lse.shape
-        or partial_wsum.dtype != torch.float32
-        or partial_wsum.stride() != partial_lse.stride()
-    ):
-        raise ValueError("partial_wsum must be float32 like partial_lse, with its strides")
-    # (the program indexes every row vector by its row alone: a strided view would be misread)
-    if targets.shape != (n_rows,) or targets.dtype != torch.int64 or not targets.is_contiguous():
-        raise ValueError(f"targets must be contiguous int64 ({n_rows},)")
-    if class_weights is not None and class_weights.shape != (vocab,):
-        raise ValueError(f"class_weights must be ({vocab},)")
-    p_base, p_per_lse, coef_t, coef_w = coefs
-    for t in (target_logit, p_base, p_per_lse, coef_t, coef_w, lse, wsum):
-        if t is not None and (
-            t.shape != (n_rows,) or t.dtype != torch.float32 or not t.is_contiguous()
-        ):
-            raise ValueError(f"row vectors must be contiguous float32 ({n_rows},)")
-    if vocab == 0:  # no classes: each row's lse is log(0), as torch.logsumexp of no terms
-        lse.fill_(float("-inf"))
-        if wsum is not None:
-            wsum.zero_()
-        return
-    if n_rows == 0:
-        return
-    _scaled_exp_grad_kernel[(n_rows,)](
-        exps,
-        block_max,
-        partial_lse,
-        partial_wsum if partial_wsum is not None else partial_lse,
+    n_rows = exps.shape[0]
+    if lse.shape[:1] != (n_rows,):
+        raise ValueError(f"row vectors must be contiguous float32 ({n_rows},)")
+    ScaledExpGradLaunch(
+        (exps, block_max, partial_lse, partial_wsum),
         targets,
-        class_weights.contiguous() if class_weights is not None else p_base,
         target_logit,
-        p_base,
-        p_per_lse if p_per_lse is not None else p_base,
-        coef_t,
-        coef_w,
+        coefs,
         lse,
-        wsum if wsum is not None else lse,
-        vocab,
-        exps.stride(0),
-        block_max.stride(0),
-        partial_lse.stride(0),
-        float(logit_scale),
-        HAS_WEIGHTS=class_weights is not None,
-        HAS_SMOOTHING=smoothing,
-        HAS_Z_LOSS=p_per_lse is not None,
-        HAS_WSUM=partial_wsum is not None,
-        BLOCK=block,
-        MAX_BLOCK=max_block,
-        BLOCKS=next_power_of_2(blocks),
+        wsum=wsum,
+        logit_scale=logit_scale,
+        smoothing=smoothing,
+        class_weights=class_weights,
+        max_block=max_block,
+        block=block,
         num_warps=num_warps,
-    )
+    ).launch(0, n_rows)
