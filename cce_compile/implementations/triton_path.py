@@ -31,7 +31,7 @@ import torch
 from .. import filtering, policy, row_metrics
 from ..kernels.common import RowLayout, TileConfig, check_operands, row_layout
 from ..kernels.kept_first import kept_first as kept_first  # the op calls it on this module
-from ..kernels.logit_grad import logit_grad
+from ..kernels.logit_grad import LogitGradLaunch
 from ..kernels.lse_forward import lse_forward, partial_blocks
 from . import triton_shared as shared
 from .interface import Coefficients, Gradients, HeadInputs, Needs, RowStats
@@ -261,27 +261,26 @@ def gradients(
         (layout.n_positions, width), dtype=shared.work_dtype(hidden), device=hidden.device
     )
     grads = _SlabGradients(head, layout, needs)
+    # What every slab's launch shares (layout, checked vectors, descriptors), built once.
+    slab_grad = LogitGradLaunch(
+        hidden,
+        head.targets,
+        lse_positions,
+        (coefs.p, coefs.t, coefs.w),
+        slab_buf,
+        shift=spec.shift,
+        logit_scale=spec.logit_scale,
+        softcap=spec.softcap,
+        smoothing=spec.needs_wsum,
+        config=config,
+        keep=keep,
+        entropy_coef=coefs.e,
+        filter_block=filtering.FILTER_BLOCK,
+    )
     for start, stop in _slabs(head.vocab, width):
-        slab = slab_buf[:, : stop - start]
         classifier_slab, bias_slab, weights_slab = _slab_operands(head, start, stop)
-        logit_grad(
-            hidden,
-            classifier_slab,
-            head.targets,
-            bias_slab,
-            weights_slab,
-            lse_positions,
-            (coefs.p, coefs.t, coefs.w),
-            slab,
-            target_offset=head.col_start + start,
-            shift=spec.shift,
-            logit_scale=spec.logit_scale,
-            softcap=spec.softcap,
-            smoothing=spec.needs_wsum,
-            config=config,
-            keep=keep,
-            entropy_coef=coefs.e,
-            filter_block=filtering.FILTER_BLOCK,
+        slab = slab_grad.launch(
+            classifier_slab, bias_slab, weights_slab, target_offset=head.col_start + start
         )
         grads.add(slab, classifier_slab, start, stop)
     return grads.result(layout, hidden)

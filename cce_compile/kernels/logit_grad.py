@@ -176,6 +176,157 @@ def _logit_grad_kernel(
         tl.store(out_ptrs, grad.to(slab.dtype.element_ty), mask=in_range[:, None] & col_ok[None, :])
 
 
+class LogitGradLaunch:
+    """``logit_grad`` over the vocabulary slabs of one call: what every slab shares (the row
+    layout, the checked per-position vectors and mask, hidden's descriptor, the slab buffer's
+    views) built once. Lean's backward launches it once a slab (8 at shape C), where the GPU
+    waits for the host (issue 41).
+
+    ``slab_buffer`` (n_positions, at least the widest slab's width), unit column stride: each
+    slab's gradient is written to its first columns. The other arguments are ``logit_grad``'s,
+    less the slab's own (classifier rows, bias, class weights, first class: ``launch``)."""
+
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        lse: torch.Tensor,
+        coefs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        slab_buffer: torch.Tensor,
+        *,
+        shift: int,
+        logit_scale: float,
+        softcap: float,
+        smoothing: bool,
+        config: TileConfig | None = None,
+        keep: torch.Tensor | None = None,
+        filter_block: int = 256,
+        entropy_coef: torch.Tensor | None = None,
+    ):
+        self.config = config = config or TileConfig()
+        self.layout = layout = row_layout(hidden, shift)
+        n_positions = layout.n_positions
+        if slab_buffer.dim() != 2 or slab_buffer.shape[0] != n_positions:
+            raise ValueError(f"slab must be ({n_positions}, width) with unit column stride")
+        if slab_buffer.stride(1) != 1:
+            raise ValueError(f"slab must be ({n_positions}, width) with unit column stride")
+        _check_vectors(n_positions, (lse, *coefs, entropy_coef))
+        if keep is not None:
+            if keep.dtype != torch.uint8 or keep.dim() != 2 or keep.shape[0] != n_positions:
+                raise ValueError(f"keep must be uint8 ({n_positions}, blocks)")
+            if filter_block % config.block_v:
+                raise ValueError("filtered slabs start on a block and tiles divide the block")
+            keep = keep.contiguous()
+        self.hidden, self.targets, self.slab_buffer = hidden, targets, slab_buffer
+        self.shift, self.filter_block = shift, filter_block
+        self.vectors = (
+            lse,
+            *coefs,
+            entropy_coef if entropy_coef is not None else lse,
+            keep if keep is not None else lse,
+        )
+        self.scalars = (float(logit_scale), float(softcap) if softcap else 1.0)
+        self.softcap = softcap
+        self.flags = dict(
+            HAS_SMOOTHING=smoothing,
+            HAS_ENTROPY=entropy_coef is not None,
+            LOG_P_FLOOR=LOG_P_FLOOR,
+            HAS_FILTER=keep is not None,
+            FILTER_BLOCK=filter_block,
+        )
+        self.keep_blocks = keep.shape[1] if keep is not None else 1
+        self.filtered = keep is not None
+        # Whether the slab's store takes TMA: the same for every slab (their views share the
+        # buffer's first element and row stride); the operands' loads: per slab (operand_args).
+        self.slab_tma = tma_ok(slab_buffer, slab_buffer.stride(0))
+        self._slabs: dict[int, tuple] = {}  # width: (view, its descriptor or None)
+        self._options: dict[tuple, dict] = {}  # (use_tma, has_bias): gemm_launch_options
+
+    def launch(
+        self,
+        classifier: torch.Tensor,
+        bias: torch.Tensor | None,
+        class_weights: torch.Tensor | None,
+        *,
+        target_offset: int,
+    ) -> torch.Tensor:
+        """The slab of ``classifier``'s classes (the vocabulary's from ``target_offset``):
+        its gradient in the buffer's first columns, which it returns."""
+        bias, class_weights, classifier = check_operands(
+            self.hidden, classifier, self.targets, bias, class_weights, self.shift
+        )
+        width, dim = classifier.shape
+        layout, config = self.layout, self.config
+        if width > self.slab_buffer.shape[1]:
+            raise ValueError(f"slab must be ({layout.n_positions}, {width}): it is narrower")
+        if self.filtered and target_offset % self.filter_block:
+            raise ValueError("filtered slabs start on a block and tiles divide the block")
+        slab, slab_desc = self._slab(width)
+        if layout.n_positions == 0 or width == 0:
+            return slab
+        hidden_arg, classifier_arg, use_tma = operand_args(layout, classifier, config)
+        slab_arg = slab
+        if use_tma and slab_desc is not None:
+            slab_arg = slab_desc
+        else:
+            use_tma = False
+            hidden_arg, classifier_arg = layout.matrix, classifier
+        _logit_grad_kernel[launch_grid(layout.n_positions, width, config)](
+            hidden_arg,
+            classifier_arg,
+            bias if bias is not None else classifier,
+            class_weights if class_weights is not None else classifier,
+            self.targets,
+            *self.vectors,
+            slab_arg,
+            layout.n_positions,
+            layout.seq_stride,
+            layout.rows_per_seq,
+            width,
+            dim,
+            self.shift,
+            target_offset,
+            *self.scalars,
+            layout.stride_pos,
+            classifier.stride(0),
+            *self.targets.stride(),
+            slab.stride(0),
+            self.keep_blocks,
+            HAS_WEIGHTS=class_weights is not None,
+            **self.flags,
+            **self._launch_options(use_tma, bias is not None),
+        )
+        return slab
+
+    def _slab(self, width: int) -> tuple:
+        """The buffer's first ``width`` columns, and their descriptor where stored by TMA."""
+        entry = self._slabs.get(width)
+        if entry is None:
+            slab, desc = self.slab_buffer[:, :width], None
+            if self.slab_tma and width and self.layout.n_positions:
+                block = [self.config.block_n, self.config.block_v]
+                desc = TensorDescriptor(slab, list(slab.shape), [slab.stride(0), 1], block)
+            entry = self._slabs[width] = (slab, desc)
+        return entry
+
+    def _launch_options(self, use_tma: bool, has_bias: bool) -> dict:
+        options = self._options.get((use_tma, has_bias))
+        if options is None:
+            options = self._options[use_tma, has_bias] = gemm_launch_options(
+                self.config, self.hidden, use_tma=use_tma, has_bias=has_bias, softcap=self.softcap
+            )
+        return options
+
+
+def _check_vectors(n_positions: int, vectors: tuple) -> None:
+    names = ("lse", "coef_p", "coef_t", "coef_w", "entropy_coef")
+    for name, t in zip(names, vectors):
+        if t is None and name == "entropy_coef":
+            continue
+        if t.shape != (n_positions,) or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 ({n_positions},)")
+
+
 def logit_grad(
     hidden: torch.Tensor,
     classifier: torch.Tensor,
@@ -211,71 +362,23 @@ def logit_grad(
     ``keep`` (n_positions, blocks) uint8: gradient filtering's mask (filtering.py), 1 where
     the position computes the softmax term of a block of ``filter_block`` classes; the slab
     must then start on a block boundary (``target_offset``)."""
-    config = config or TileConfig()
-    bias, class_weights, classifier = check_operands(
-        hidden, classifier, targets, bias, class_weights, shift
-    )
-    width, dim = classifier.shape
-    layout = row_layout(hidden, shift)
-    n_positions = layout.n_positions
-    if tuple(slab.shape) != (n_positions, width) or slab.stride(1) != 1:
-        raise ValueError(f"slab must be ({n_positions}, {width}) with unit column stride")
-    vectors = (lse, *coefs, entropy_coef)
-    for name, t in zip(("lse", "coef_p", "coef_t", "coef_w", "entropy_coef"), vectors):
-        if t is None and name == "entropy_coef":
-            continue
-        if t.shape != (n_positions,) or t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32 ({n_positions},)")
-    if keep is not None:
-        if keep.dtype != torch.uint8 or keep.dim() != 2 or keep.shape[0] != n_positions:
-            raise ValueError(f"keep must be uint8 ({n_positions}, blocks)")
-        if target_offset % filter_block or filter_block % config.block_v:
-            raise ValueError("filtered slabs start on a block and tiles divide the block")
-        keep = keep.contiguous()
-    if n_positions == 0 or width == 0:
-        return slab
-    hidden_arg, classifier_arg, use_tma = operand_args(layout, classifier, config)
-    slab_arg = slab
-    if use_tma and tma_ok(slab, slab.stride(0)):
-        slab_arg = TensorDescriptor(
-            slab, list(slab.shape), [slab.stride(0), 1], [config.block_n, config.block_v]
-        )
-    else:
-        use_tma = False
-        hidden_arg, classifier_arg = layout.matrix, classifier
-    _logit_grad_kernel[launch_grid(layout.n_positions, width, config)](
-        hidden_arg,
-        classifier_arg,
-        bias if bias is not None else classifier,
-        class_weights if class_weights is not None else classifier,
+    launch = LogitGradLaunch(
+        hidden,
         targets,
         lse,
-        *coefs,
-        entropy_coef if entropy_coef is not None else lse,
-        keep if keep is not None else lse,
-        slab_arg,
-        layout.n_positions,
-        layout.seq_stride,
-        layout.rows_per_seq,
-        width,
-        dim,
-        shift,
-        target_offset,
-        float(logit_scale),
-        float(softcap) if softcap else 1.0,
-        layout.stride_pos,
-        classifier.stride(0),
-        *targets.stride(),
-        slab.stride(0),
-        keep.shape[1] if keep is not None else 1,
-        HAS_WEIGHTS=class_weights is not None,
-        HAS_SMOOTHING=smoothing,
-        HAS_ENTROPY=entropy_coef is not None,
-        LOG_P_FLOOR=LOG_P_FLOOR,
-        HAS_FILTER=keep is not None,
-        FILTER_BLOCK=filter_block,
-        **gemm_launch_options(
-            config, hidden, use_tma=use_tma, has_bias=bias is not None, softcap=softcap
-        ),
+        coefs,
+        slab,
+        shift=shift,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        smoothing=smoothing,
+        config=config,
+        keep=keep,
+        filter_block=filter_block,
+        entropy_coef=entropy_coef,
     )
+    if slab.shape[1] != classifier.shape[0]:
+        n_positions = launch.layout.n_positions
+        raise ValueError(f"slab must be ({n_positions}, {classifier.shape[0]}) like classifier")
+    launch.launch(classifier, bias, class_weights, target_offset=target_offset)
     return slab
