@@ -71,6 +71,9 @@ class Signature:
     def __init__(self, arguments: Iterable[Argument]):
         self.arguments = tuple(arguments)
         self.names = tuple(a.name for a in self.arguments)
+        # Once, not per call (``build`` runs on every call of the loss, on the host's hot path).
+        self._defaults = {a.name: a.default for a in self.arguments if a.default is not _REQUIRED}
+        self._name_set = frozenset(self.names)
 
     def schema(self, returns: Returns) -> str:
         params = ", ".join(f"{a.schema_type} {a.name}" for a in self.arguments)
@@ -79,14 +82,15 @@ class Signature:
     def build(self, *, spec: LossSpec | None = None, **values: Any) -> tuple:
         """The positional arguments of a call: every argument without a default must be
         given, and no unknown name; ``spec``: the loss options, all at once."""
-        values = {
-            **{a.name: a.default for a in self.arguments if a.default is not _REQUIRED},
-            **(dataclasses.asdict(spec) if spec is not None else {}),
-            **values,
-        }
-        missing = [n for n in self.names if n not in values]
-        unknown = sorted(set(values) - set(self.names))
-        if missing or unknown:
+        # The spec's fields read by name (LOSS_OPTIONS: its fields in order): what
+        # dataclasses.asdict gives for its plain values (numbers, strings, None), without
+        # asdict's recursive deep copy (~18 us a call). Dynamo traces this (torch.compile of
+        # the public function): no dataclasses.fields here, which it cannot trace.
+        options = {n: getattr(spec, n) for n in LOSS_OPTIONS} if spec is not None else {}
+        values = {**self._defaults, **options, **values}
+        if len(values) != len(self.names) or not self._name_set.issuperset(values):
+            missing = [n for n in self.names if n not in values]
+            unknown = sorted(set(values) - self._name_set)
             raise TypeError(f"op arguments: missing {missing}, unknown {unknown}")
         return tuple(values[n] for n in self.names)
 
