@@ -228,8 +228,9 @@ def _entry(rank: int, world: int, store: str, results) -> None:
 
 
 def run_forked(world: int) -> list[dict]:
-    """``_worker`` on ``world`` forked gloo processes (launcher.run spawns); each rank's
-    result, or an error naming the ranks that failed or never answered."""
+    """``_worker`` on ``world`` gloo processes forked from this one (launcher.run forks from a
+    fork server); each rank's result, or an error naming the ranks that failed or never
+    answered."""
     # A forked rank inherits the parent's process-group state: the parent must have none.
     assert not dist.is_initialized(), "a process group is left open in the test process"
     ctx = multiprocessing.get_context("fork")

@@ -23,8 +23,8 @@ that sees the gradient, one that replaces it, a post-accumulate-grad hook) over 
 micro-batches. Each rank compares its shard's gradient with its rows of the oracle's, computed
 the same way.
 
-All cases of one world size run in one spawn (module-scoped fixture); each case is its own
-test id.
+All cases of one world size run in one start of the ranks (module-scoped fixture); each case is
+its own test id.
 """
 
 from __future__ import annotations
