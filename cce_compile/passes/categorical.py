@@ -26,6 +26,7 @@ from . import predicates as p
 from .journal import Journal
 
 CLAMP = c.call({torch.clamp, torch.clip}, {"clamp", "clip"}, ("input", "min", "max"))
+_CLAMP_MIN = c.call({torch.clamp_min}, {"clamp_min"}, ("input", "min"))
 # (two operands: the index and the log-probs, as Categorical.log_prob passes them)
 BROADCAST = c.call({torch.broadcast_tensors}, (), ("input", "other"))
 
@@ -41,10 +42,10 @@ def normalized_logits(node: Any) -> Node | None:
 
 
 def unclamped(node: Any) -> Any:
-    """x for ``clamp(x, min=finfo(x.dtype).min)`` (Categorical's entropy: a log-prob of -inf
-    becomes the least float, so that a class of logit -inf adds 0 and not ``0 * -inf``, as in
-    the op's entropy, whatever the logits); ``node`` for any other node."""
-    named = CLAMP.args(node)
+    """x for ``clamp(x, min=finfo(x.dtype).min)`` or ``clamp_min`` (Categorical's entropy: a
+    log-prob of -inf becomes the least float, so that a class of logit -inf adds 0 and not
+    ``0 * -inf``, as in the op's entropy, whatever the logits); ``node`` for any other node."""
+    named = CLAMP.args(node) or _CLAMP_MIN.args(node)
     value = p.tensor_value(node)
     if named is None or named.get("max") is not None or value is None:
         return node

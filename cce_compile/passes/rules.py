@@ -476,7 +476,7 @@ _ENDS = {
     "join_pieces": (c.STACK, c.CAT),
     "broadcast_value": (categorical.BROADCAST,),
     "log_probs": (c.GATHER, c.SUB),
-    "entropy": (c.NEG, c.SUB, c.SUM),
+    "entropy": (c.NEG, c.SUB, c.SUM, entropy_rules.NANSUM),
     "lower_log_probs": (c.call({canonical.TOKEN_LOG_PROBS}, params=("input", "index")),),
     "dummy_loss": (c.call({canonical.SOFTMAX_ENTROPY}),),
 }
