@@ -26,3 +26,8 @@ _compile_fx_module.compile_fx = _compile_fx_without_codegen
 torch._inductor.config.fx_graph_cache = False
 torch._functorch.config.enable_autograd_cache = False
 """
+
+
+def install_inductor_without_codegen() -> None:
+    """INDUCTOR_WITHOUT_CODEGEN, in this process: for a script file that imports this module."""
+    exec(INDUCTOR_WITHOUT_CODEGEN, {})
