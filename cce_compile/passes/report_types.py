@@ -48,6 +48,13 @@ _FIX_IN_DETAIL = {
     categorical.BROADCAST_IDS: categorical.BROADCAST_IDS_FIX,
     escapes.GRAD_MODES_DIFFER: escapes.GRAD_MODES_DIFFER_FIX,
 }
+# Added to UNSUPPORTED_OP's fix where the op in the chain is an addition to the logits: a
+# vector of one value per class (a vocabulary mask) is a bias.
+_ADDED_VECTOR_FIX = (
+    "if it adds a vector of shape (V,) to every row (a vocabulary mask or a bias), pass it as the "
+    "head's bias, F.linear(h, W, b), which fuses (with "
+    "torch.distributions.Categorical(logits=z).entropy() for the entropy, 0 at a class of -inf)"
+)
 # Added to UNSUPPORTED_OP's fix where the op in the chain is an addition to the logits: what a
 # LoRA adapter on lm_head makes (``_adds_to_the_logits``).
 _LORA_ON_HEAD_FIX = (
@@ -68,6 +75,21 @@ FSDP2_FIX = (
     "compiled forward: cce_compile.distributed.deferred_head (docs/distributed.md)"
 )
 _ADDITION = re.compile(r":\s*(aten\.add\b|<built-in function (iadd|add)>|(torch\.)?add\b)")
+# A mask or an addition written into the logits (``mutation_in_region``'s detail names the
+# writer as ``node (target)``, ``unsupported_op_in_chain``'s as ``node: target``): neither form
+# fuses, in place or out of place; a mask shared by every row fuses as the head's bias.
+_MASK_WRITE = re.compile(
+    r"\((masked_fill_|index_put_|index_fill_|setitem|add_|iadd|sub_|isub)\) writes"
+)
+_MASK_OP = re.compile(r":\s*(masked_fill|index_fill|<built-in method where\b|(torch\.)?where\b)")
+MASK_AS_BIAS_FIX = (
+    "a mask or a vector written into the logits (masked_fill, torch.where, z[..., ids] = -inf, "
+    "z + b) is not fused, in place or out of place, and a per-row mask cannot be; a vocabulary "
+    "mask shared by every row fuses as the head's bias: F.linear(h, W, bias) with -inf at the "
+    "masked classes (e.g. torch.zeros(V).masked_fill(mask, float('-inf')), added to the head's "
+    "own bias if it has one), with torch.distributions.Categorical(logits=z).entropy() for the "
+    "entropy (0 at a masked class)"
+)
 
 
 def fsdp2_in_use() -> bool:
@@ -112,8 +134,12 @@ class SiteReport:
         if own:
             return "; ".join(own)
         usual = _FIX.get(self.reason, "")
+        if self.reason == MUTATION and _MASK_WRITE.search(self.detail):
+            return MASK_AS_BIAS_FIX
+        if self.reason == UNSUPPORTED_OP and _MASK_OP.search(self.detail):
+            return MASK_AS_BIAS_FIX
         if self.reason == UNSUPPORTED_OP and _adds_to_the_logits(self.detail):
-            return f"{usual}; {_LORA_ON_HEAD_FIX}"
+            return f"{usual}; {_ADDED_VECTOR_FIX}; {_LORA_ON_HEAD_FIX}"
         return usual
 
     def __str__(self) -> str:
