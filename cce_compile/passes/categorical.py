@@ -23,6 +23,7 @@ from torch.fx import Node
 
 from . import calls as c
 from . import predicates as p
+from . import safety
 from .journal import Journal
 
 CLAMP = c.call({torch.clamp, torch.clip}, {"clamp", "clip"}, ("input", "min", "max"))
@@ -139,16 +140,53 @@ BROADCAST_IDS_FIX = (
 )
 
 
-def broadcast_log_prob(node: Any) -> bool:
-    """Is ``node`` the log-softmax Categorical writes (``z - z.logsumexp(-1, keepdim=True)``, or
-    its logsumexp) of log-probs that a ``broadcast_tensors`` still reads (ids that broadcast,
-    which ``broadcast_value`` left as they were)?"""
+# What a log-prob ``broadcast_value`` left is where its ids have the logits' leading shape: the
+# obstacle is not the ids (an in-place write to the logits, or the broadcast read otherwise).
+LOG_PROB_LEFT_AS_WRITTEN = (
+    "Categorical's log_prob of these logits, left as written: its ids have the logits' leading "
+    "shape, but its broadcast_tensors is not read as Categorical reads it"
+)
+LOG_PROB_LEFT_AS_WRITTEN_FIX = (
+    "write the log-probs as F.log_softmax(z, -1).gather(-1, ids[..., None]).squeeze(-1), "
+    "which fuses with the entropy in one op call"
+)
+LOG_PROB_WRITTEN_IN_PLACE = "Categorical's log_prob of its logits written in place after the head"
+LOG_PROB_WRITTEN_IN_PLACE_FIX = (
+    "move the in-place write before the head (or drop it): Categorical's log_prob and entropy of "
+    "a linear head's logits fuse in one op call"
+)
+
+
+def broadcast_log_prob(node: Any) -> str | None:
+    """If ``node`` is the log-softmax Categorical writes (``z - z.logsumexp(-1, keepdim=True)``,
+    or its logsumexp) of log-probs that a ``broadcast_tensors`` still reads (which
+    ``broadcast_value`` left as they were), what that log-prob is: ``BROADCAST_IDS`` where the
+    ids' leading sizes differ from the logits', else why it was left (an in-place write to the
+    log-probs, or ``LOG_PROB_LEFT_AS_WRITTEN``); None for any other node."""
     if c.over_last_dim(c.LOGSUMEXP, node, keepdim=True) is not None:
         normalized = [u for u in node.users if normalized_logits(u) is not None]
-        return any(broadcast_log_prob(u) for u in normalized)
-    return normalized_logits(node) is not None and any(
-        BROADCAST.args(u) is not None for u in node.users
-    )
+        return next(filter(None, map(broadcast_log_prob, normalized)), None)
+    if normalized_logits(node) is None:
+        return None
+    broadcasts = [named for u in node.users if (named := BROADCAST.args(u)) is not None]
+    if not broadcasts:
+        return None
+    if any(not _same_leading_sizes(named["input"], named["other"]) for named in broadcasts):
+        return BROADCAST_IDS
+    writers = [u for u in node.users if node in safety.written_operands(u)]
+    if writers:
+        return f"{LOG_PROB_WRITTEN_IN_PLACE} ({safety.target_name(writers[0])})"
+    return LOG_PROB_LEFT_AS_WRITTEN
+
+
+def _same_leading_sizes(index: Any, lp: Any) -> bool:
+    """Do ``index`` (..., 1) and ``lp`` (..., V) have the same leading sizes (unknown: yes)?"""
+    ids, logits = p.tensor_value(index), p.tensor_value(lp)
+    if ids is None or logits is None:
+        return True
+    if ids.dim() != logits.dim():
+        return False
+    return all(p.same_size(a, b) for a, b in zip(ids.shape[:-1], logits.shape[:-1]))
 
 
 def _one_class_per_row(index: Any, lp: Any) -> bool:

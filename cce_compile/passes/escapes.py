@@ -238,8 +238,9 @@ def _named(user: Node, training: bool) -> str:
             "serves only the entropy of the rows it computes; take it of the same rows, e.g. "
             "z[:, :-1] beside a shifted loss, to fuse both in one call)"
         )
-    if categorical.broadcast_log_prob(user):
-        return categorical.BROADCAST_IDS
+    log_prob = categorical.broadcast_log_prob(user)
+    if log_prob is not None:
+        return log_prob
     node = user
     while p.row_index(node) is not None or p.is_row_view(node) or p.is_passthrough(node):
         users = safety.live_users(node)

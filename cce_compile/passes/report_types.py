@@ -46,6 +46,8 @@ _FIX = {
 _FIX_IN_DETAIL = {
     **entropy_rules.FIXES,
     categorical.BROADCAST_IDS: categorical.BROADCAST_IDS_FIX,
+    categorical.LOG_PROB_WRITTEN_IN_PLACE: categorical.LOG_PROB_WRITTEN_IN_PLACE_FIX,
+    categorical.LOG_PROB_LEFT_AS_WRITTEN: categorical.LOG_PROB_LEFT_AS_WRITTEN_FIX,
     escapes.GRAD_MODES_DIFFER: escapes.GRAD_MODES_DIFFER_FIX,
 }
 # Added to UNSUPPORTED_OP's fix where the op in the chain is an addition to the logits: a

@@ -101,6 +101,33 @@ def test_categorical_log_prob_of_broadcast_ids_says_it_is_not_recognised():
     _assert_fused_as_eager(categorical_of_expanded_ids, args)
 
 
+def categorical_of_logits_written_in_place(x, w, ids):
+    d = torch.distributions.Categorical(logits=F.linear(x, w) / TEMPERATURE)
+    d.logits.clamp_(min=-3.0)
+    return d.log_prob(ids), d.entropy()
+
+
+def categorical_without_the_write(x, w, ids):
+    """The fix: no in-place write after the head."""
+    d = torch.distributions.Categorical(logits=F.linear(x, w) / TEMPERATURE)
+    return d.log_prob(ids), d.entropy()
+
+
+def test_categorical_logits_written_in_place_name_the_write_not_broadcast_ids():
+    """Ids of the logits' own shape: the site blamed "ids that broadcast" and gave the
+    ids.expand fix, which did not apply; it names the in-place write, whose fix fuses."""
+    x, (w,), ids, _ = make_inputs(torch.float32, ["one"], seed=2)
+    args = (x, w, ids)
+    outputs, compiled = compile_and_run(categorical_of_logits_written_in_place, args)
+    assert compiled.counts == {"skipped:logits_escape": 1}, compiled.counts
+    _as_written(categorical_of_logits_written_in_place, args, outputs, compiled)
+    (report,) = compiled.reports
+    assert categorical.BROADCAST_IDS not in report.detail, report.detail
+    assert f"{categorical.LOG_PROB_WRITTEN_IN_PLACE} (clamp_)" in report.detail, report.detail
+    assert report.advice == categorical.LOG_PROB_WRITTEN_IN_PLACE_FIX, report.advice
+    _assert_fused_as_eager(categorical_without_the_write, args)
+
+
 # --- old log-probs without a gradient beside an entropy with one -----------------------------
 
 
