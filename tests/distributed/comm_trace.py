@@ -58,16 +58,29 @@ class Trace:
 
 @contextlib.contextmanager
 def traced() -> Iterator[Trace]:
-    """Profile the block; the yielded ``Trace`` is filled in when it ends."""
+    """Profile the block; the yielded ``Trace`` is filled in when it ends.
+
+    It reads the profiler's own events (name, start, input shapes and dtypes), as
+    ``prof.events()`` would give them, without building its FunctionEvent tree: that parse
+    took ~0.1 s per block of the op's CPU path, a third of a vocabulary-parallel case."""
     trace = Trace()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         yield trace
-    events = sorted(prof.events(), key=lambda e: e.time_range.start)
-    kinds = [_KINDS.get(e.name, e.name) for e in events if e.name.startswith("c10d::")]
-    sent = [e for e in events if e.name.startswith("gloo:")]
-    assert len(kinds) == len(sent), (kinds, [e.name for e in sent])
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if not _hidden(e)),
+        key=lambda e: e.start_ns(),
+    )
+    names = [e.name() for e in events]
+    kinds = [_KINDS.get(name, name) for name in names if name.startswith("c10d::")]
+    sent = [e for e, name in zip(events, names) if name.startswith("gloo:")]
+    assert len(kinds) == len(sent), (kinds, [e.name() for e in sent])
     for kind, event in zip(kinds, sent):
-        shape = tuple(event.input_shapes[0])
-        dtype = _DTYPES.get(event.input_dtypes[0], event.input_dtypes[0])
+        shape = tuple(event.shapes()[0])
+        dtype = _DTYPES.get(event.dtypes()[0], event.dtypes()[0])
         trace.collectives.append(Collective(kind, shape, dtype))
-    trace.syncs.update(e.name.split("::")[1] for e in events if e.name in _SYNCS)
+    trace.syncs.update(name.split("::")[1] for name in names if name in _SYNCS)
+
+
+def _hidden(event) -> bool:
+    """What the profiler's own parse leaves out of ``events()`` (none of the names read here)."""
+    return getattr(event, "is_hidden_event", lambda: False)()
