@@ -271,9 +271,14 @@ def test_watch_reports_the_rewrite_on_a_warm_cache(tmp_path, monkeypatch):
     assert counters["cce_compile"]["rewritten"] == 1
 
 
+# Each route ends the program with the setting's own line and nothing else: for the backend
+# (by name or as the function) it is raised where the backend is looked up, not wrapped in
+# Dynamo's BackendCompilerFailed, which buried it under ~40 lines of Dynamo's frames and notes.
 ROUTES = {
     # backend="cce" with no import of cce_compile: Dynamo's registry loads the entry point.
     "name": 'torch.compile(lambda x: x.sin(), backend="cce")(torch.randn(3))',
+    "function": "import cce_compile\n"
+    "torch.compile(lambda x: x.sin(), backend=cce_compile.backend)(torch.randn(3))",
     "enable": "import cce_compile; cce_compile.enable()",
     "op": "import cce_compile; cce_compile.linear_cross_entropy(x, w, y)",
     "compiled op": "import cce_compile\n"
