@@ -18,7 +18,10 @@ DEMO_CACHE ?= $(HOME)/.cache/cce_compile
 # pip byte-compiles what it installs on one core; installing without (--no-compile), then
 # compiling the venv's packages on every core with compileall (which skips what is compiled
 # already) took 10-15 s less for torch, and again for the test extras, on 2 cores. As with pip,
-# a file that does not compile (a package's Python 2 test data) stays source only.
+# a file that does not compile (a package's Python 2 test data) stays source only. The demo's
+# extra is left to Python to compile as the demo's plot imports it (~4 s: once, or each run
+# where Python writes no .pyc, PYTHONDONTWRITEBYTECODE), where compiling all of matplotlib,
+# numpy, pillow and fonttools took ~11 s; the test layer compiles it with the rest.
 PIP_INSTALL = $(PY) -m pip install --no-compile --progress-bar on
 BYTE_COMPILE = $(PY) -m compileall -qq -j 0 $(VENV)/lib || true
 
@@ -34,7 +37,6 @@ $(VENV)/.installed-torch:
 $(VENV)/.installed-demo: $(VENV)/.installed-torch pyproject.toml cce_compile_autoenable.pth
 	@echo "installing cce_compile and the demo's extra (matplotlib)"
 	$(PIP_INSTALL) -e ".[demo]"
-	$(BYTE_COMPILE)
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed-torch pyproject.toml cce_compile_autoenable.pth
