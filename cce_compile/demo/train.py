@@ -391,30 +391,23 @@ def _result(
 
 def step_peak_bytes(run: Callable[[], None]) -> int:
     """The most memory torch holds at once during ``run()`` beyond what existed before it
-    (allocations and frees from the profiler's memory timeline; works on the CPU, where torch
-    keeps no allocator statistics)."""
+    (the running sum of the profiler's CPU allocation and free events, in order; works on the
+    CPU, where torch keeps no allocator statistics). The same peak as the memory profiler's
+    timeline of tensor creations and deletions, without building it (~3 s less per demo run)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
 
     with (
         _without_kineto_banners(),
-        profile(
-            activities=[ProfilerActivity.CPU],
-            profile_memory=True,
-            record_shapes=True,
-            with_stack=True,
-        ) as prof,
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
     ):
         run()
+    events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
     live = peak = 0
-    for _, action, (key, _), size in prof._memory_profile().timeline:
-        if key.device.type != "cpu":
-            continue
-        if action == Action.CREATE:
-            live += size
-        elif action == Action.DESTROY:
-            live -= size
-        peak = max(peak, live)
+    for event in events:
+        if event.name() == "[memory]" and event.device_type() == DeviceType.CPU:
+            live += event.nbytes()  # negative for a free
+            peak = max(peak, live)
     return peak
 
 
