@@ -31,13 +31,14 @@ COMPILE_TIME = {
     "cpu": "tens of seconds on 2 cores with a cold Inductor cache, a few seconds warm",
     "cuda": "up to ~60 s each",
 }
-# The CPU defaults keep `make demo` near two minutes from nothing on 2 cores. The first compile
-# is most of it, and one block compiles about a third faster than two; the head is 95% of a
-# one-block step's multiply-adds at V 32K, D 128 (90% with two), so the comparison holds. 20
-# steps give 9 timed blocks. The CPU's corpus is the first 8 MB of the stdlib: 2.9M tokens, a
+# The CPU defaults keep `make demo` within two minutes from nothing on 2 cores. The first
+# compile is most of it, and one block compiles about a third faster than two; the head is 95%
+# of a one-block step's multiply-adds at V 32K, D 128 (90% with two), so the comparison holds.
+# 16 steps give 7 timed blocks (a step of both runs: ~1 s; 20 steps, 9 blocks, kept the first
+# run ~4 s over two minutes). The CPU's corpus is the first 8 MB of the stdlib: 2.9M tokens, a
 # full 32K vocabulary, tokenised in a quarter of the time of all 30 MB.
 DEFAULTS = {  # (vocab, dim, layers, heads, context, batch, steps)
-    "cpu": (32768, 128, 1, 4, 128, 8, 20),
+    "cpu": (32768, 128, 1, 4, 128, 8, 16),
     "cuda": (131072, 512, 4, 8, 1024, 16, 300),
 }
 CORPUS_BYTES = {"cpu": 8_000_000, "cuda": None}  # None: all of it
