@@ -16,13 +16,16 @@ DEMO_CACHE ?= $(HOME)/.cache/cce_compile
 # start-up hook (the .pth file) into the venv, so a changed hook reinstalls too. The venv's own
 # pip is used as it comes (an upgrade cost ~4 s and changed nothing these installs need).
 # pip byte-compiles what it installs on one core; installing without (--no-compile), then
-# compiling the venv's packages on every core with compileall (which skips what is compiled
-# already) took 10-15 s less for torch, and again for the test extras, on 2 cores. As with pip,
-# a file that does not compile (a package's Python 2 test data) stays source only. The demo's
-# extra is left to Python to compile as the demo's plot imports it (~4 s: once, or each run
-# where Python writes no .pyc, PYTHONDONTWRITEBYTECODE), where compiling all of matplotlib,
-# numpy, pillow and fonttools took ~11 s; the test layer compiles it with the rest.
+# compiling with compileall on every core (it skips what is compiled already) took 10-15 s
+# less for torch, and again for the test extras, on 2 cores. torch's layer (what its pip run
+# installed, listed in .torch-layer) is compiled while the next layer's pip runs, which mostly
+# waits on the package index and the disk (~5 s less again). As with pip, a file that does not
+# compile (a package's Python 2 test data) stays source only. The demo's extra is left to
+# Python to compile as the demo's plot imports it (~4 s: once, or each run where Python writes
+# no .pyc, PYTHONDONTWRITEBYTECODE), where compiling all of matplotlib, numpy, pillow and
+# fonttools took ~11 s; the test layer compiles it with the rest.
 PIP_INSTALL = $(PY) -m pip install --no-compile --progress-bar on
+BYTE_COMPILE_TORCH = ($(PY) -m compileall -qq -j 0 $$(cat $(VENV)/.torch-layer) || true)
 BYTE_COMPILE = $(PY) -m compileall -qq -j 0 $(VENV)/lib || true
 
 $(VENV)/.installed-torch:
@@ -30,18 +33,17 @@ $(VENV)/.installed-torch:
 	$(PYTHON) -m venv $(VENV)
 	@echo "[2/2] installing torch (a large download: ~1-3 minutes; progress below)"
 	$(PIP_INSTALL) "torch==2.13.0" || $(PIP_INSTALL) "torch>=2.6"
-	@echo "byte-compiling torch"
-	$(BYTE_COMPILE)
+	ls -d $(VENV)/lib/python*/site-packages/* > $(VENV)/.torch-layer
 	touch $@
 
 $(VENV)/.installed-demo: $(VENV)/.installed-torch pyproject.toml cce_compile_autoenable.pth
-	@echo "installing cce_compile and the demo's extra (matplotlib)"
-	$(PIP_INSTALL) -e ".[demo]"
+	@echo "installing cce_compile and the demo's extra (matplotlib), byte-compiling torch meanwhile"
+	$(BYTE_COMPILE_TORCH) & $(PIP_INSTALL) -e ".[demo]" && wait
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed-torch pyproject.toml cce_compile_autoenable.pth
-	@echo "installing cce_compile with its test, demo and dev extras (transformers, peft, trl, ...)"
-	$(PIP_INSTALL) -e ".[test,demo,dev]"
+	@echo "installing cce_compile with its test, demo and dev extras (transformers, peft, trl, ...), byte-compiling torch meanwhile"
+	$(BYTE_COMPILE_TORCH) & $(PIP_INSTALL) -e ".[test,demo,dev]" && wait
 	@echo "byte-compiling them"
 	$(BYTE_COMPILE)
 	@echo "installed into $(VENV)"
