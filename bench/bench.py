@@ -345,6 +345,14 @@ def method_factories():
         return compiled
 
     methods["compile_autochunk"] = autochunk
+    # The pass through torch.compile, and both under CUDA graphs: the host-bound small heads' case.
+    methods["torch_compile_graphs"] = lambda: torch.compile(
+        eager_loss, dynamic=False, mode="reduce-overhead"
+    )
+    methods["cce_pass"] = lambda: torch.compile(eager_loss, backend="cce", dynamic=False)
+    methods["cce_pass_graphs"] = lambda: torch.compile(
+        eager_loss, backend="cce", dynamic=False, mode="reduce-overhead"
+    )
     methods.update(_cce_methods())
     methods.update(_peer_methods())
     if hasattr(F, "linear_cross_entropy"):
