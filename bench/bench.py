@@ -333,6 +333,12 @@ def _peer_methods():
     return methods
 
 
+def _cce_backend():
+    import cce_compile
+
+    return cce_compile.backend
+
+
 def method_factories():
     """name -> (callable(hidden, classifier, targets) -> loss, or None when unavailable)."""
 
@@ -349,9 +355,10 @@ def method_factories():
     methods["torch_compile_graphs"] = lambda: torch.compile(
         eager_loss, dynamic=False, mode="reduce-overhead"
     )
-    methods["cce_pass"] = lambda: torch.compile(eager_loss, backend="cce", dynamic=False)
+    # The backend object, not its entry-point name: a source tree on PYTHONPATH registers none.
+    methods["cce_pass"] = lambda: torch.compile(eager_loss, backend=_cce_backend(), dynamic=False)
     methods["cce_pass_graphs"] = lambda: torch.compile(
-        eager_loss, backend="cce", dynamic=False, mode="reduce-overhead"
+        eager_loss, backend=_cce_backend(), dynamic=False, mode="reduce-overhead"
     )
     methods.update(_cce_methods())
     methods.update(_peer_methods())
