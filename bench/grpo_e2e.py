@@ -23,7 +23,8 @@ logged loss, entropy and KL (0 when policy and reference calls give the same bit
 the new ones against float64 (of the operands bf16 autocast gives the head) and the ``trl`` run's.
 Then, the allocator capped at ``--cap-gib``, the most generations of ``--fit-length`` tokens each
 variant trains a step with (doubling from ``--fit-start``, then bisecting; no probe starts after
-``--budget-s``). Writes ``grpo_e2e.json`` and ``grpo_e2e.md`` into ``--out``.
+``--budget-s``). Writes ``grpo_e2e.json`` and ``grpo_e2e.md`` into ``--out``. The variants' head
+kernels are in bench/grpo_heads.py, the tables in bench/grpo_report.py.
 
     python bench/grpo_e2e.py --out $OUT/grpo              # planned for < 6 min on an H200
     python bench/grpo_e2e.py --quick --out $OUT/grpo      # 8 x 256 tokens, a short search
@@ -35,14 +36,12 @@ Without CUDA it runs a tiny configuration on the CPU (a smoke test of the code p
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import gc
 import json
 import logging
 import pathlib
 import random
-import re
 import statistics
 import sys
 import tempfile
@@ -53,6 +52,10 @@ import warnings
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+# The modules beside this file, also when it is imported as bench.grpo_e2e rather than run.
+sys.path.insert(1, str(pathlib.Path(__file__).resolve().parent))
+from grpo_heads import head_kernel  # noqa: E402
+from grpo_report import markdown  # noqa: E402
 
 GiB = 2**30
 VARIANTS = ("trl", "cce", "logits")
@@ -118,98 +121,6 @@ def even_word_share(completions, **kwargs):
         ids = [int(w[1:]) for w in text.split() if w[1:].isdigit()]
         rewards.append(sum(i % 2 == 0 for i in ids) / max(1, len(ids)))
     return rewards
-
-
-class LogitsLogProb:
-    """Stands in for TRL's fused-head kernel (same ``apply`` and 5-tuple) with TRL's logits
-    path: the logits of the head in the trainer's autocast dtype, then TRL 1.16's
-    ``selective_log_softmax_and_entropy`` / ``selective_log_softmax``."""
-
-    @staticmethod
-    def apply(
-        hidden,
-        weight,
-        bias,
-        targets,
-        temperature,
-        chunk_size,
-        softcap=None,
-        logit_scale=1.0,
-        outputs=("log_probs",),
-    ):
-        import torch.nn.functional as F
-        from trl.trainer import utils
-
-        logits = F.linear(hidden, weight, bias) * logit_scale
-        if softcap:
-            logits = softcap * torch.tanh(logits / softcap)
-        entropy = None
-        if "entropy" in outputs:
-            logp, entropy = utils.selective_log_softmax_and_entropy(
-                logits,
-                targets,
-                entropy_requires_grad=torch.is_grad_enabled(),
-                temperature=temperature,
-            )
-            entropy = entropy.float()
-        else:
-            logp = utils.selective_log_softmax(logits, targets, temperature=temperature)
-        return logp.float(), entropy, None, None, None
-
-
-def _copy(tensor):
-    return tensor.detach().to("cpu", copy=True)
-
-
-class Recorder:
-    """Wraps the kernel TRL's fused head calls: keeps the first calls' inputs and log-probs
-    (on the CPU, so that they weigh nothing in the run's peak)."""
-
-    def __init__(self, inner, keep: int = 3):
-        self.inner, self.keep, self.calls = inner, keep, []
-
-    def apply(self, hidden, weight, bias, targets, temperature, *rest):
-        out = self.inner.apply(hidden, weight, bias, targets, temperature, *rest)
-        if len(self.calls) < self.keep:
-            self.calls.append(
-                dict(
-                    grad=torch.is_grad_enabled(),
-                    outputs=tuple(rest[-1]),
-                    temperature=temperature,
-                    hidden=_copy(hidden),
-                    targets=_copy(targets),
-                    weight=None if self.calls else _copy(weight),  # (the step updates it)
-                    logp=_copy(out[0]),
-                )
-            )
-        return out
-
-
-@contextlib.contextmanager
-def head_kernel(variant: str):
-    """TRL's fused head running ``variant``'s kernel, wrapped by a Recorder. ``cce_<N>mb``: cce
-    with its memory budget set to N MiB (``CCE_MEMORY_BUDGET_MB``) instead of 1/5 of the logits."""
-    import trl.trainer.utils as trl_utils
-
-    import cce_compile
-    from cce_compile.integrations import trl as cce_trl
-
-    trl_kernel = trl_utils._ChunkedLogProbFunction
-    budget = re.fullmatch(r"cce_(\d+)mb", variant)
-    with contextlib.ExitStack() as stack:
-        if variant.startswith("cce"):
-            cce_trl.install()
-            stack.callback(cce_trl.uninstall)
-            cce_trl.reset_counts()
-        if budget:
-            stack.enter_context(cce_compile.config.override(memory_budget_mb=int(budget[1])))
-        inner = LogitsLogProb if variant == "logits" else trl_utils._ChunkedLogProbFunction
-        recorder = Recorder(inner)
-        trl_utils._ChunkedLogProbFunction = recorder
-        try:
-            yield recorder
-        finally:  # ours (or TRL's) back before uninstall() checks that it is ours
-            trl_utils._ChunkedLogProbFunction = inner if variant != "logits" else trl_kernel
 
 
 def grpo_config(out: str, args, generations: int, length: int, steps: int):
@@ -472,76 +383,6 @@ def environment(args):
     }
     env["gpu"] = torch.cuda.get_device_name(0) if args.device == "cuda" else None
     return env
-
-
-def _probe_text(probe):
-    peak = "" if probe["peak_gib"] is None else f" {probe['peak_gib']:.1f}"
-    return f"{probe['generations']}: {'yes' if probe['fits'] else 'no'}{peak}"
-
-
-def _fmt(value, spec):
-    return "-" if value is None else format(value, spec)
-
-
-def markdown(results):
-    env, cfg = results["environment"], results["config"]
-    lines = [
-        f"Device: {env['gpu'] or 'CPU'} · torch {env['torch']} · triton {env['triton']} · "
-        f"transformers {env['transformers']} · trl {env['trl']} · {env['date']} · "
-        f"commit {env['commit']}",
-        "",
-        f"Qwen2 with random weights: {cfg['layers']} layers, hidden {cfg['hidden']}, V "
-        f"{cfg['vocab']}; GRPO with transformers' generation, {cfg['generations']} completions "
-        f"of {cfg['length']} tokens per step, T 0.9, beta 0.04, num_iterations 2, entropy_coef "
-        f"0.01, {cfg['precision']}, gradient checkpointing; {cfg['steps']} steps, the first left "
-        "out. Times in s; train tokens/s: completion tokens over a step that only trains; "
-        "old/ref = new bits: step 0's no-grad policy and reference log-probs equal the grad "
-        "call's (sorted); head calls: served by cce's op / handed to TRL's kernel.",
-        "",
-        "| variant | step s (generating) | step s (training only) | generate s | train tokens/s "
-        "| x trl | e2e tokens/s | peak GiB | step-0 loss | entropy | kl | old = new bits | "
-        "ref = new bits | logp err vs f64 | max diff vs trl | head calls |",
-        "|---|" + "---|" * 15,
-    ]
-    base = results["variants"].get("trl", {}).get("train_tokens_per_s")
-    for variant, r in results["variants"].items():
-        if "error" in r:
-            lines.append(f"| {variant} | {r['error'][:200]} |")
-            continue
-        s0, check = r.get("step0", {}), results["step0"].get(variant, {})
-        counts = r.get("counts")
-        calls = f"{counts['served']} served / {counts['handed_to_trl']} to TRL" if counts else "-"
-        ratio = r["train_tokens_per_s"] / base if base and r.get("train_tokens_per_s") else None
-        lines.append(
-            f"| {variant} | {_fmt(r['step_s_generating'], '.2f')} | "
-            f"{_fmt(r['step_s_training'], '.3f')} | {_fmt(r['generate_s'], '.2f')} | "
-            f"{_fmt(r['train_tokens_per_s'], ',.0f')} | {_fmt(ratio, '.3f')} | "
-            f"{_fmt(r['e2e_tokens_per_s'], ',.0f')} | {_fmt(r.get('peak_gib'), '.2f')} | "
-            f"{_fmt(s0.get('loss'), '.6f')} | {_fmt(s0.get('entropy'), '.4f')} | "
-            f"{_fmt(s0.get('kl'), '.2e')} | {check.get('old_equals_new_bits', '-')} | "
-            f"{check.get('ref_equals_new_bits', '-')} | "
-            f"{_fmt(check.get('logp_rel_err_f64'), '.1e')} | "
-            f"{_fmt(check.get('logp_max_abs_diff_vs_trl'), '.1e')} | {calls} |"
-        )
-    if results["fit"]:
-        lines += [
-            "",
-            f"Largest number of generations of {cfg['fit_length']} tokens that trains "
-            f"one step with the allocator capped at {cfg['cap_gib']} GiB:",
-            "",
-            "| variant | fits | fails at | completion tokens | x trl | probes (n: fits, "
-            "peak GiB) |",
-            "|---|---|---|---|---|---|",
-        ]
-        base = results["fit"].get("trl", {}).get("largest")
-        for variant, f in results["fit"].items():
-            probes = ", ".join(map(_probe_text, f["probes"]))
-            ratio = f["largest"] / base if base else None
-            lines.append(
-                f"| {variant} | {f['largest']} | {_fmt(f['smallest_failed'], 'd')} | "
-                f"{f['tokens']:,} | {_fmt(ratio, '.2f')} | {probes} |"
-            )
-    return "\n".join(lines)
 
 
 def parse_args(argv):
