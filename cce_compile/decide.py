@@ -371,15 +371,14 @@ def mode(
     softcap: bool = False,
     entropy: bool = False,
     argmax: bool = False,
-    split: bool = False,
     entropy_has_grad: bool = False,
     lean_metrics: tuple[str, ...] = (),
 ) -> str:
     """The concrete mode ('lean' or 'fast') of a call: ``requested`` (None: the configured
     mode; a requested mode is explicit: 'fast' where it cannot apply is an error), lean under
     gradient filtering, else the policy's choice for the gradients ``needs`` asks for (the op's
-    grad flags, ``gradients_asked``); ``softcap`` ... ``split``: what a fast run would compute
-    (a softcap, the entropy, the argmax, over a vocabulary shard), which sets its chunks'
+    grad flags, ``gradients_asked``); ``softcap`` ... ``argmax``: what a fast run would compute
+    (a softcap, the entropy, the argmax), which sets its chunks'
     form (``policy.fast_needs_whole_rows``). ``dtypes``: hidden's, the classifier's and the
     bias's (None without one), the dtypes of their gradients. ``lse_has_grad`` /
     ``entropy_has_grad``: the returned lse / entropy takes a gradient (fast mode's buffers hold
@@ -402,9 +401,7 @@ def mode(
         problem=problem,
         budget=budget_bytes(problem),
         explicit=explicit,
-        whole_rows=policy.fast_needs_whole_rows(
-            softcap=softcap, entropy=entropy, argmax=argmax, split=split
-        ),
+        whole_rows=policy.fast_needs_whole_rows(softcap=softcap, entropy=entropy, argmax=argmax),
         float16_gradients=_float16_gradients(needs, dtypes),
     )
 

@@ -197,10 +197,11 @@ def fast_fixed_bytes(problem: Problem, needs_classifier: bool = True, fused: boo
 FAST_EXTRA_STATS = frozenset({"entropy", "argmax"})
 
 
-def fast_needs_whole_rows(*, softcap: bool, entropy: bool, argmax: bool, split: bool) -> bool:
+def fast_needs_whole_rows(*, softcap: bool, entropy: bool, argmax: bool) -> bool:
     """Does a fast-mode chunk need its float32 logits, not only their scaled exponentials?
-    For softcap's derivative, the entropy, the argmax, or a vocabulary shard's statistics."""
-    return softcap or entropy or argmax or split
+    For softcap's derivative, the entropy or the argmax. (A vocabulary shard's statistics come
+    from the fused GEMM's partials as a single device's do.)"""
+    return softcap or entropy or argmax
 
 
 def fast_fuses_exp(problem: Problem, whole_rows: bool) -> bool:

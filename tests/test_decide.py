@@ -173,7 +173,7 @@ def test_mode_explicit_fast_without_a_scalar_loss_is_an_error_and_filtering_take
         assert decide.mode(None, problem, grad_filter=None, reduction="none", **call) == "lean"
 
 
-WHOLE_ROW_FLAGS = ["softcap", "entropy", "argmax", "split"]
+WHOLE_ROW_FLAGS = ["softcap", "entropy", "argmax"]  # not a vocabulary shard: see triton_fast
 
 
 @pytest.mark.parametrize("flag", WHOLE_ROW_FLAGS)

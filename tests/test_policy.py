@@ -72,7 +72,8 @@ def test_auto_takes_lean(override):
 def test_auto_sizes_fast_chunks_by_the_form_they_take():
     """A bf16 chunk of scaled exponentials from the GEMM takes ~half a whole float32 row, so
     a budget too small for the floor's whole rows still admits fast, unless the call needs
-    whole rows (softcap, entropy, argmax, a vocabulary shard)."""
+    whole rows (softcap, entropy, argmax; not a vocabulary shard, whose statistics come from
+    the GEMM's partials)."""
     floor = policy.fast_floor_rows(E, True)
     assert FUSED_ROW < ROW / 1.8
     budget = floor * ROW - 1
@@ -81,8 +82,10 @@ def test_auto_sizes_fast_chunks_by_the_form_they_take():
     fp32 = dataclasses.replace(E, logit_bytes=4)  # a float32 gradient: no fused form
     assert not policy.fast_fuses_exp(fp32, False) and policy.fast_fuses_exp(E, False)
     assert not policy.fast_fuses_exp(E, True)
-    assert policy.fast_needs_whole_rows(softcap=False, entropy=False, argmax=False, split=True)
-    assert not policy.fast_needs_whole_rows(softcap=False, entropy=False, argmax=False, split=False)
+    for reason in ("softcap", "entropy", "argmax"):
+        flags = dict(dict(softcap=False, entropy=False, argmax=False), **{reason: True})
+        assert policy.fast_needs_whole_rows(**flags)
+    assert not policy.fast_needs_whole_rows(softcap=False, entropy=False, argmax=False)
 
 
 def test_a_small_problem_takes_fast_when_all_its_rows_fit():

@@ -130,7 +130,7 @@ def _call_op(tensors, spec, shard: sharding.VocabShard, mode: str | None, flags)
         dtypes=decide.operand_dtypes(hidden, classifier, bias),
         reduction=spec.reduction,
         lse_has_grad=return_lse and torch.is_grad_enabled(),
-        split=True,
+        softcap=bool(spec.softcap),
     )
     return torch.ops.cce.vocab_parallel_cross_entropy(
         *FORWARD.build(

@@ -11,12 +11,14 @@ For each token chunk of ``n`` rows:
   one of float16 products at every D: ``policy.sums_classifier_in_float32``).
   Over a vocabulary shard (``SplitVocabulary``): ``chunk_row_stats``, the combine over the
   ranks, then ``chunk_softmax_grad`` with the whole vocabulary's lse.
-Fused (``policy.fast_fuses_exp``: a bf16 / fp16 gradient; not with softcap, entropy, argmax
-or a shard): a Triton GEMM (``logits_exp``) writes each tile's exp(z - tile max) into the
+Fused (``policy.fast_fuses_exp``: a bf16 / fp16 gradient; not with softcap, entropy or
+argmax): a Triton GEMM (``logits_exp``) writes each tile's exp(z - tile max) into the
 gradient buffer in the compute dtype, with the tile maxima and partial lse; then
 ``scaled_exp_grad`` reduces the partials to the rows' lse and turns them into the gradient.
 No float32 logits: two bytes a logit instead of four, so a budget holds ~1.9x the rows (fewer
-chunks, fewer re-reads of the classifier's gradient), and less traffic per logit.
+chunks, fewer re-reads of the classifier's gradient), and less traffic per logit. Over a shard,
+the shard's row statistics come from the GEMM's partials (no pass over the chunk), are
+combined over the ranks, and ``scaled_exp_grad`` takes the whole vocabulary's lse.
 Mixed precision (``compute_dtype`` rounding float32 inputs, autocast's form): hidden and the
 classifier are rounded once (cuBLAS needs the classifier whole per chunk); a float32
 classifier's gradient is summed in place, in float32. The chunk size comes from ``policy``
@@ -302,13 +304,11 @@ class _FastRun:
             shared.rounded(head.compute_dtype, t) for t in (head.hidden, head.classifier, head.bias)
         )
         # Fused (the GEMM writes scaled exponentials): not where pass 2 would need more of
-        # each logit than that (softcap's derivative, the entropy, the argmax) or the ranks'
-        # statistics.
+        # each logit than that (softcap's derivative, the entropy, the argmax).
         whole_rows = policy.fast_needs_whole_rows(
             softcap=bool(head.spec.softcap),
             entropy="entropy" in extras,
             argmax="argmax" in extras,
-            split=split is not None,
         )
         layout, problem, fused = _plan(head, hidden, whole_rows, split)
         if fused and whole_rows:  # pass 2 would compute a plausible wrong gradient
@@ -346,6 +346,10 @@ class _FastRun:
             bias=bias,
         )
         targets = _PositionCoefficients.targets_of(head, rows, layout, split)
+        if fused and split is not None:
+            # The GEMM writes the target logit of the rows whose target is in the shard; the
+            # others' is 0 in the shard's statistics (the combine sums them over the ranks).
+            out.stats[1].zero_()
         return _FastRun(
             head=head,
             rows=rows,
@@ -379,7 +383,10 @@ class _FastRun:
         out = self.out
         if stop > start and self.fused:
             if self.pass2 is None:  # (the coefficients come after the first chunk's GEMM)
-                self.pass2 = _fused_pass2_launch(self.coefs, self.static_args, out)
+                lse_given = self.split is not None
+                self.pass2 = _fused_pass2_launch(self.coefs, self.static_args, out, lse_given)
+            if self.split is not None:
+                _combine_fused_chunk(out, (start, stop), self.split)
             self.pass2.launch(start, stop)
         elif stop > start:  # (no rows: only the classifier's gradient, zero, is written)
             kernel_args = dict(self.static_args, **self.coefs.chunk(start, stop))
@@ -440,11 +447,12 @@ def _fused_gemm(gemm: LogitsExpLaunch, span: tuple, row_limit: torch.Tensor | No
 
 
 def _fused_pass2_launch(
-    coefs: _PositionCoefficients, static_args: dict, out: _FastBuffers
+    coefs: _PositionCoefficients, static_args: dict, out: _FastBuffers, lse_given: bool
 ) -> ScaledExpGradLaunch:
     """After ``_fused_gemm``, per chunk: the gradient in place, and the rows' lse (and
     weighted sums) from the GEMM's partials, in one launch (``scaled_exp_grad``), over the
-    call's positions."""
+    call's positions; ``lse_given``: the rows' lse is read (a shard's: ``_combine_fused_chunk``
+    wrote the whole vocabulary's)."""
     lse, target_logit, wsum = out.stats
     return ScaledExpGradLaunch(
         out.fused_buffers(),
@@ -457,7 +465,29 @@ def _fused_pass2_launch(
         smoothing=static_args["smoothing"],
         class_weights=static_args["class_weights"],
         max_block=out.fused_tiles.block_v,
+        lse_given=lse_given,
     )
+
+
+def _combine_fused_chunk(out: _FastBuffers, span: tuple, split: SplitVocabulary) -> None:
+    """A fused chunk of a vocabulary shard: its rows' statistics over the shard from the GEMM's
+    per-tile partials (as ``scaled_exp_grad`` reduces them: -inf for an empty shard), combined
+    over the ranks into the whole vocabulary's, in the call's statistics."""
+    start, stop = span
+    n = stop - start
+    stats = tuple(shared.part(s, start, stop) for s in out.stats)
+    lse, target_logit, wsum = stats
+    torch.logsumexp(out.partial_lse[:n], dim=1, out=lse)
+    if wsum is not None:
+        torch.sum(out.partial_wsum[:n], dim=1, out=wsum)
+    _store_combined(stats, split.combine(RowStats(lse, target_logit, wsum)))
+
+
+def _store_combined(stats: tuple, whole: RowStats) -> None:
+    """The whole vocabulary's (lse, target logit, wsum) over a chunk's shard statistics."""
+    for mine, combined in zip(stats, (whole.lse, whole.target_logit, whole.wsum)):
+        if mine is not None:
+            mine.copy_(combined)
 
 
 def _shard_chunk(
@@ -470,8 +500,5 @@ def _shard_chunk(
     coefs = ("p_base", "p_per_lse", "coef_t", "coef_w")
     stat_args = {k: v for k, v in kernel_args.items() if k not in coefs}
     chunk_row_stats(logits, **stat_args, out=stats)
-    whole = split.combine(RowStats(*stats))
-    for mine, combined in zip(stats, (whole.lse, whole.target_logit, whole.wsum)):
-        if mine is not None:
-            mine.copy_(combined)
+    _store_combined(stats, split.combine(RowStats(*stats)))
     chunk_softmax_grad(logits, **kernel_args, grad=out.grad[: stop - start], lse=stats[0])

@@ -11,9 +11,11 @@ then streams the row and writes, over e in place,
 
 except at the target, where p is exp(z_t - lse) from the float32 target logit: the one large
 entry, p_t - 1, is never built from a rounded e. Bytes per logit: one read and one write of
-the compute dtype. Reducing the partials here, not in a ``torch.logsumexp`` before the launch,
-spares each chunk several small kernels and their launches (no speed change was resolvable on
-an H200: bench/results/gpu_tests.md, 754105e).
+the compute dtype. Over a vocabulary shard the rows' lse is the whole vocabulary's, combined
+over the ranks from each shard's partials before the launch: the program reads it
+(``lse_given``) instead of reducing its own partials. Reducing the partials here, not in a
+``torch.logsumexp`` before the launch, spares each chunk several small kernels and their
+launches (no speed change was resolvable on an H200: bench/results/gpu_tests.md, 754105e).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ def _scaled_exp_grad_kernel(
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     HAS_WSUM: tl.constexpr,
+    LSE_GIVEN: tl.constexpr,
     BLOCK: tl.constexpr,
     MAX_BLOCK: tl.constexpr,
     BLOCKS: tl.constexpr,
@@ -87,9 +90,20 @@ def _scaled_exp_grad_kernel(
     exp_ptr = exps + row * stride_exps
     max_ptr = block_max + row * stride_block_max
     blocks = tl.cdiv(vocab, MAX_BLOCK)
-    lse = _row_lse(
-        partial_lse, partial_wsum, row_lse, row_wsum, row, stride_partials, blocks, HAS_WSUM, BLOCKS
-    )
+    if LSE_GIVEN:
+        lse = tl.load(row_lse + row)
+    else:
+        lse = _row_lse(
+            partial_lse,
+            partial_wsum,
+            row_lse,
+            row_wsum,
+            row,
+            stride_partials,
+            blocks,
+            HAS_WSUM,
+            BLOCKS,
+        )
     tgt = tl.load(targets + row)
     p_target = tl.exp(tl.load(target_logit + row) - lse)
     c_p, c_t, c_w, active = row_coefficients(
@@ -159,7 +173,9 @@ class ScaledExpGradLaunch:
     ``buffers`` = (exps, block_max, partial_lse, partial_wsum or None), for any chunk's rows
     from their first row on (at least the longest chunk's); ``targets``, ``target_logit``,
     ``coefs``, ``lse`` and ``wsum``: the call's rows, of which a chunk takes [start, stop).
-    The other arguments are ``scaled_exp_grad``'s."""
+    ``lse_given``: ``lse`` already holds each row's lse (a shard's rows: the whole
+    vocabulary's), which the launch reads and neither ``lse`` nor ``wsum`` is written. The
+    other arguments are ``scaled_exp_grad``'s."""
 
     def __init__(
         self,
@@ -176,6 +192,7 @@ class ScaledExpGradLaunch:
         max_block: int,
         block: int = BLOCK,
         num_warps: int = 8,
+        lse_given: bool = False,
     ):
         _check_buffers(buffers, wsum, block, max_block)
         exps, block_max, partial_lse, partial_wsum = buffers
@@ -194,6 +211,7 @@ class ScaledExpGradLaunch:
             HAS_SMOOTHING=smoothing,
             HAS_Z_LOSS=coefs[1] is not None,
             HAS_WSUM=partial_wsum is not None,
+            LSE_GIVEN=lse_given,
             BLOCK=block,
             MAX_BLOCK=max_block,
             BLOCKS=next_power_of_2(block_max.shape[1]),
@@ -208,6 +226,8 @@ class ScaledExpGradLaunch:
             raise ValueError(f"chunk [{start}, {stop}) outside {self.n_rows} rows or its buffers")
         sliced = [None if t is None else t[start:stop] for t in self.vectors]
         targets, target_logit, p_base, p_per_lse, coef_t, coef_w, lse, wsum = sliced
+        if self.vocab == 0 and self.flags["LSE_GIVEN"]:  # no gradient to write
+            return
         if self.vocab == 0:  # no classes: each row's lse is log(0), as torch.logsumexp's
             lse.fill_(float("-inf"))
             if wsum is not None:
@@ -261,6 +281,7 @@ def scaled_exp_grad(
     max_block: int,
     block: int = BLOCK,
     num_warps: int = 8,
+    lse_given: bool = False,
 ) -> None:
     """Pass 2 over a chunk's n rows: ``exps`` (n, V), as ``logits_exp`` left it, becomes the
     logits' gradient in place, and each row's lse is written to ``lse`` (and, with
@@ -272,7 +293,9 @@ def scaled_exp_grad(
     partials share a row stride. ``target_logit`` (read), ``lse`` and ``wsum`` (written) (n,)
     float32; ``targets`` (n,) int64, each row's target column (clamped for rows without a
     loss: their coefficients are 0); ``coefs`` = (p_base, p_per_lse or None, coef_t, coef_w),
-    float32 (n,) each, as ``chunk_softmax_grad`` takes them."""
+    float32 (n,) each, as ``chunk_softmax_grad`` takes them. ``lse_given``: ``lse`` is read,
+    the rows' lse over the whole vocabulary of which the chunk's classes are a shard, and
+    neither ``lse`` nor ``wsum`` is written."""
     n_rows = exps.shape[0]
     if lse.shape[:1] != (n_rows,):
         raise ValueError(f"row vectors must be contiguous float32 ({n_rows},)")
@@ -289,4 +312,5 @@ def scaled_exp_grad(
         max_block=max_block,
         block=block,
         num_warps=num_warps,
+        lse_given=lse_given,
     ).launch(0, n_rows)

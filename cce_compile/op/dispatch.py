@@ -75,7 +75,6 @@ def _kept_first_order(args: Bound) -> compaction.OrderOf | None:
         softcap=bool(args.softcap),
         entropy=args.return_entropy,
         argmax=args.return_argmax,
-        split=False,
     )
     return order_of if policy.fast_fuses_exp(problem, whole_rows) else None
 

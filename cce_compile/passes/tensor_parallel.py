@@ -365,4 +365,11 @@ def _site_mode(site: TensorParallelSite, needs: dict[str, bool]) -> str:
     )
     bias = None if site.bias is None else p.tensor_value(site.bias)
     dtypes = decide.operand_dtypes(hidden, classifier, bias)
-    return decide.mode(None, problem, needs, dtypes=dtypes, reduction=site.reduction, split=True)
+    return decide.mode(
+        None,
+        problem,
+        needs,
+        dtypes=dtypes,
+        reduction=site.reduction,
+        softcap=site.softcap is not None,
+    )

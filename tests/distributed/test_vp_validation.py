@@ -99,9 +99,10 @@ def test_a_one_rank_group_must_hold_the_whole_vocabulary():
             dist.destroy_process_group()
 
 
-def test_the_vocabulary_parallel_function_tells_mode_its_rows_are_split(mode_calls):
-    """``decide.mode`` hears ``split=True``: a shard's fast chunks are whole float32 rows (its
-    statistics cross the ranks), so auto sizes them so (``policy.fast_needs_whole_rows``)."""
+def test_the_vocabulary_parallel_function_tells_mode_its_softcap(mode_calls):
+    """``decide.mode`` hears whether the call has a softcap: a shard's fast chunks are then
+    whole float32 rows, else the fused GEMM's scaled exponentials (its statistics combined
+    from the GEMM's partials), and auto sizes them so (``policy.fast_needs_whole_rows``)."""
     import torch.distributed as dist
 
     created = not dist.is_initialized()
@@ -109,7 +110,8 @@ def test_the_vocabulary_parallel_function_tells_mode_its_rows_are_split(mode_cal
         dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         _call(group=None, vocab_size=ROWS)
+        _call(group=None, vocab_size=ROWS, softcap=5.0)
     finally:
         if created:
             dist.destroy_process_group()
-    assert [call.get("split") for call in mode_calls] == [True]
+    assert [call.get("softcap") for call in mode_calls] == [False, True]

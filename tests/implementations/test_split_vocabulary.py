@@ -4,7 +4,11 @@ Each shard runs ``fast_forward`` in turn; its ``combine`` stands in for the all-
 other shards' statistics of the same rows (the lean path's ``logit_stats``), so both
 implementations (the Triton one in the interpreter on CPU) are checked against the float64
 oracle without a process group: the loss, the sum of the shards' hidden partials, and each
-shard's rows of the classifier's and bias's gradients. ``tests/distributed`` runs the op.
+shard's rows of the classifier's and bias's gradients. The Triton path runs both chunk forms:
+whole float32 rows (``chunk_row_stats``) and the fused GEMM's partials (``logits_exp``, the
+shard's statistics reduced from them, ``scaled_exp_grad`` given the combined lse), the latter
+where ``policy.fast_fuses_exp`` would allow it on a GPU (not with a softcap).
+``tests/distributed`` runs the op.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from oracle import GRAD_RTOL, LOSS_RTOL, gradient_scale, loss_scale, oracle, rel_error
 from strategies import build_case
 
+from cce_compile import policy
 from cce_compile.implementations import torch_path
 from cce_compile.implementations.interface import HeadInputs, Needs, RowStats, SplitVocabulary
 from cce_compile.loss_math import LossSpec, row_targets
@@ -34,11 +39,13 @@ CASES = {
 
 
 def _implementations() -> list:
-    found = [pytest.param(torch_path, id="torch_path")]
+    """(implementation, the fused chunk form where a GPU would take it)."""
+    found = [pytest.param((torch_path, False), id="torch_path")]
     if DEVICE == "cuda" or INTERPRETING:
         from cce_compile.implementations import triton_path
 
-        found.append(pytest.param(triton_path, id="triton_path"))
+        found.append(pytest.param((triton_path, False), id="triton_path-whole_rows"))
+        found.append(pytest.param((triton_path, True), id="triton_path-fused"))
     return found
 
 
@@ -79,7 +86,17 @@ def _stats(head: HeadInputs) -> RowStats:
 @pytest.mark.parametrize("impl", _implementations())
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("shards", [(17, 10), (27, 0)], ids=["uneven", "empty_shard"])
-def test_shards_add_up_to_the_whole_vocabulary(impl, name, shards):
+def test_shards_add_up_to_the_whole_vocabulary(impl, name, shards, monkeypatch):
+    impl, fused = impl
+    chunk_forms = []
+    policy_fuses = policy.fast_fuses_exp
+
+    def fuses(problem, whole_rows):
+        chosen = (not whole_rows) if fused else policy_fuses(problem, whole_rows)
+        chunk_forms.append(chosen)
+        return chosen
+
+    monkeypatch.setattr(policy, "fast_fuses_exp", fuses)
     vocab = sum(shards)
     case = build_case(leading=(1, 13), dim=8, vocab=vocab, seed=4, **CASES[name])
     spec = LossSpec(**{k: v for k, v in case.options().items() if k != "class_weights"})
@@ -112,6 +129,8 @@ def test_shards_add_up_to_the_whole_vocabulary(impl, name, shards):
         every = [None if j == i else s for j, s in enumerate(stats)]
         split = SplitVocabulary(vocab, share, _combine_with(every))
         outs.append(impl.fast_forward(shard_head, rows, needs=needs, split=split))
+    if impl is not torch_path:
+        assert set(chunk_forms) == {fused and not case.softcap}, chunk_forms
 
     for leaf in case.leaves():
         leaf.requires_grad_()
