@@ -61,6 +61,7 @@ SHAPES = {  # name: (N, D, V)
     # One rank's share of "llama3-8b" under 2-way TP, for a one-process run on one GPU: the
     # rank's GEMMs and chunks without the other rank (its collectives are no-ops).
     "llama3-8b-rank-of-2": (8192, 4096, 64128),
+    "llama3-8b-16k-rank-of-2": (16384, 4096, 64128),
 }
 CORRECTNESS = {  # name: build_case options (tests/strategies.py)
     "plain-fp32": dict(),

@@ -353,10 +353,12 @@ def shard_vocab(vocab_size: int, ranks: int) -> int:
     return -(-vocab_size // max(ranks, 1))
 
 
-def budget_bytes(problem: policy.Problem) -> int:
-    """The extra memory the settings give this problem (policy.py)."""
+def budget_bytes(problem: policy.Problem, vocab_parallel: bool = False) -> int:
+    """The extra memory the settings give this problem (policy.py; ``vocab_parallel``: each
+    rank's share of a split vocabulary)."""
     settings = config.get()
-    return policy.budget_bytes(problem, settings.memory_budget_mb, settings.memory_fraction)
+    fraction = settings.memory_fraction
+    return policy.budget_bytes(problem, settings.memory_budget_mb, fraction, vocab_parallel)
 
 
 def mode(
@@ -371,6 +373,7 @@ def mode(
     softcap: bool = False,
     entropy: bool = False,
     argmax: bool = False,
+    vocab_parallel: bool = False,
     entropy_has_grad: bool = False,
     lean_metrics: tuple[str, ...] = (),
 ) -> str:
@@ -379,11 +382,12 @@ def mode(
     gradient filtering, else the policy's choice for the gradients ``needs`` asks for (the op's
     grad flags, ``gradients_asked``); ``softcap`` ... ``argmax``: what a fast run would compute
     (a softcap, the entropy, the argmax), which sets its chunks'
-    form (``policy.fast_needs_whole_rows``). ``dtypes``: hidden's, the classifier's and the
-    bias's (None without one), the dtypes of their gradients. ``lse_has_grad`` /
-    ``entropy_has_grad``: the returned lse / entropy takes a gradient (fast mode's buffers hold
-    only the loss's); ``lean_metrics``: row metrics asked that only lean mode computes
-    (``lean_only_metrics``)."""
+    form (``policy.fast_needs_whole_rows``); ``vocab_parallel``: ``problem`` is each rank's
+    share of a split vocabulary, with its budget (``budget_bytes``). ``dtypes``: hidden's,
+    the classifier's and the bias's (None without one), the dtypes of their gradients.
+    ``lse_has_grad`` / ``entropy_has_grad``: the returned lse / entropy takes a gradient (fast
+    mode's buffers hold only the loss's); ``lean_metrics``: row metrics asked that only lean
+    mode computes (``lean_only_metrics``)."""
     explicit = requested is not None
     if lean_metrics:
         if requested == "fast":
@@ -399,7 +403,7 @@ def mode(
         needs_classifier=needs["grad_classifier"],
         outputs_have_grad=lse_has_grad or entropy_has_grad,
         problem=problem,
-        budget=budget_bytes(problem),
+        budget=budget_bytes(problem, vocab_parallel),
         explicit=explicit,
         whole_rows=policy.fast_needs_whole_rows(softcap=softcap, entropy=entropy, argmax=argmax),
         float16_gradients=_float16_gradients(needs, dtypes),

@@ -79,6 +79,11 @@ MIN_SKIP_MACS = 2**39
 # (``implementations.triton_shared.fused_tile_config``, 256 or, where it falls back to lean's
 # ``tile_config``, 128): its chunks hold a few float32 values per tile and row (``fast_row_bytes``).
 FUSED_TILE_MIN_CLASSES = 128
+# A vocabulary-parallel call's budget, in units of the single-device fraction of its share's
+# logits: loss_parallel holds ~4.1x a shard's bf16 logits where compile holds ~1.9x the whole
+# vocabulary's, so twice the fraction keeps the op near the same share of its baseline's memory,
+# with half the chunks, each ~0.5 ms of fixed cost at 8k tokens (bench/results/distributed.md).
+VOCAB_PARALLEL_BUDGET_SCALE = 2.0
 # The smallest budget: tiny problems (tests, the CPU demo's first steps) still get chunks of
 # useful size.
 MIN_BUDGET = 1 << 20
@@ -137,10 +142,15 @@ def rounding(compute_dtype, hidden_dtype, classifier_dtype) -> tuple[bool, bool]
     return hidden_dtype != compute_dtype, classifier_dtype != compute_dtype
 
 
-def budget_bytes(problem: Problem, budget_mb: int | None, fraction: float) -> int:
-    """The extra memory the loss may use: an absolute budget, or a fraction of the logits."""
+def budget_bytes(
+    problem: Problem, budget_mb: int | None, fraction: float, vocab_parallel: bool = False
+) -> int:
+    """The extra memory the loss may use: an absolute budget, or a fraction of the logits
+    (``vocab_parallel``: of a shard's, scaled by ``VOCAB_PARALLEL_BUDGET_SCALE``)."""
     if budget_mb is not None:
         return budget_mb * 2**20
+    if vocab_parallel:
+        fraction *= VOCAB_PARALLEL_BUDGET_SCALE
     return max(MIN_BUDGET, int(fraction * problem.rows * problem.vocab * problem.logit_bytes))
 
 

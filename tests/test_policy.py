@@ -31,6 +31,10 @@ def test_budget_is_a_fraction_of_the_logits_or_an_absolute_number():
     assert policy.budget_bytes(E, 64, 0.125) == 64 * 2**20
     tiny = Problem(rows=3, vocab=5, dim=2, logit_bytes=4)
     assert policy.budget_bytes(tiny, None, 0.125) == policy.MIN_BUDGET
+    # A vocabulary-parallel share: the fraction scaled, an absolute budget as it is.
+    scaled = int(0.125 * policy.VOCAB_PARALLEL_BUDGET_SCALE * logits)
+    assert policy.budget_bytes(E, None, 0.125, vocab_parallel=True) == scaled
+    assert policy.budget_bytes(E, 64, 0.125, vocab_parallel=True) == 64 * 2**20
 
 
 def test_auto_takes_fast_when_a_useful_chunk_fits():

@@ -131,6 +131,7 @@ def _call_op(tensors, spec, shard: sharding.VocabShard, mode: str | None, flags)
         reduction=spec.reduction,
         lse_has_grad=return_lse and torch.is_grad_enabled(),
         softcap=bool(spec.softcap),
+        vocab_parallel=True,
     )
     return torch.ops.cce.vocab_parallel_cross_entropy(
         *FORWARD.build(

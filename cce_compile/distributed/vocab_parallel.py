@@ -140,7 +140,7 @@ def _budget(args: Bound) -> int:
     share = decide.shard_vocab(args.vocab_size, sharding.group_size(args.group_name))
     compute = call_plan.compute_dtype_of(args)
     problem = decide.problem_of(args.hidden, args.classifier, args.shift, compute, vocab=share)
-    return decide.budget_bytes(problem)
+    return decide.budget_bytes(problem, vocab_parallel=True)
 
 
 def _forward_rows(args: Bound, budget: int) -> ForwardOut:

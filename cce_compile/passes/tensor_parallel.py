@@ -372,4 +372,5 @@ def _site_mode(site: TensorParallelSite, needs: dict[str, bool]) -> str:
         dtypes=dtypes,
         reduction=site.reduction,
         softcap=site.softcap is not None,
+        vocab_parallel=True,
     )

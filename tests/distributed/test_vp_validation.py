@@ -102,7 +102,8 @@ def test_a_one_rank_group_must_hold_the_whole_vocabulary():
 def test_the_vocabulary_parallel_function_tells_mode_its_softcap(mode_calls):
     """``decide.mode`` hears whether the call has a softcap: a shard's fast chunks are then
     whole float32 rows, else the fused GEMM's scaled exponentials (its statistics combined
-    from the GEMM's partials), and auto sizes them so (``policy.fast_needs_whole_rows``)."""
+    from the GEMM's partials), and auto sizes them so (``policy.fast_needs_whole_rows``),
+    within a vocabulary-parallel call's budget (``policy.VOCAB_PARALLEL_BUDGET_SCALE``)."""
     import torch.distributed as dist
 
     created = not dist.is_initialized()
@@ -115,3 +116,4 @@ def test_the_vocabulary_parallel_function_tells_mode_its_softcap(mode_calls):
         if created:
             dist.destroy_process_group()
     assert [call.get("softcap") for call in mode_calls] == [False, True]
+    assert [call.get("vocab_parallel") for call in mode_calls] == [True, True]
