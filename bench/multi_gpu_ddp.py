@@ -116,16 +116,9 @@ def _backend(kind: str, smoke: bool, pieces: list):
     return recording
 
 
-def run_case(name: str, args, device) -> dict:
-    from oracle import COMPILED_VS_EAGER_RTOL, rel_error
-    from torch._dynamo.utils import counters
-
-    from cce_compile import config
-
-    model_kind, bucket_cap_mb, backend_kind, settings = {**CASES, **EXTRA_CASES}[name]
-    rank = dist.get_rank()
-    torch._dynamo.reset()
-    counters.clear()
+def _ddp_pair(model_kind: str, bucket_cap_mb: int, args, device):
+    """The case's model (seed 0) and an eager copy of it, each under DDP with the case's
+    buckets: (module, eager_module, compiled_ddp, eager_ddp)."""
     torch.manual_seed(0)
     aux = args.aux if model_kind == "head-then-aux" else 0
     module = LanguageModelHead(args.dim, args.vocab, aux).to(device)
@@ -137,46 +130,57 @@ def run_case(name: str, args, device) -> dict:
     eager_ddp = nn.parallel.DistributedDataParallel(
         eager_module, device_ids=ddp_ids, bucket_cap_mb=bucket_cap_mb
     )
-    pieces: list = []
-    compiled = torch.compile(compiled_ddp, backend=_backend(backend_kind, args.cpu_smoke, pieces))
-    optimisers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (module, eager_module)]
-    gen = torch.Generator(device=device).manual_seed(100 + rank)
-    rtol = COMPILED_VS_EAGER_RTOL[torch.float32]
-    errors = []
-    began = time.perf_counter()
-    batch, length = max(args.rows // 2048, 1), min(args.rows, 2048)
+    return module, eager_module, compiled_ddp, eager_ddp
+
+
+def _apply_settings(settings: dict):
+    """Sets a case's cce_compile settings and its ``optimize_ddp`` (default: Dynamo's own);
+    returns the function that puts both back."""
+    from cce_compile import config
+
     settings = dict(settings)
     optimize_ddp = torch._dynamo.config.optimize_ddp
     torch._dynamo.config.optimize_ddp = settings.pop("optimize_ddp", optimize_ddp)
     restore = config.get()
     config.update(**settings)
-    for _ in range(args.steps):
-        x = torch.randn(batch, length, args.dim, device=device, generator=gen)
-        labels = torch.randint(0, args.vocab, x.shape[:-1], device=device, generator=gen)
-        losses = []
-        for model, optimiser in zip((compiled, eager_ddp), optimisers):
-            optimiser.zero_grad()
-            loss = model(x, labels)
-            loss.backward()
-            losses.append(loss.detach())
-        step_errors = {"loss": rel_error(losses[0], losses[1])}
-        for (label, got), (_, want) in zip(
-            module.named_parameters(), eager_module.named_parameters()
-        ):
-            step_errors[f"grad {label}"] = rel_error(got.grad, want.grad)
-        errors.append(step_errors)
-        for optimiser in optimisers:
-            optimiser.step()
-        # Each step from the same weights: SGD's rounding differs between the runs by ~1e-7,
-        # enough to flip a relu's gate whose input is near 0 and move a body gradient by 4e-4.
-        with torch.no_grad():
-            for got, want in zip(module.parameters(), eager_module.parameters()):
-                got.copy_(want)
-    config.update(**{key: getattr(restore, key) for key in settings})
-    torch._dynamo.config.optimize_ddp = optimize_ddp
-    seconds = time.perf_counter() - began
+
+    def put_back() -> None:
+        config.update(**{key: getattr(restore, key) for key in settings})
+        torch._dynamo.config.optimize_ddp = optimize_ddp
+
+    return put_back
+
+
+def _compared_step(models, modules, optimisers, x, labels) -> dict:
+    """One SGD step of the compiled and the eager model on the same batch: the relative error
+    of the loss and of every parameter's gradient (after DDP's all-reduce); then the compiled
+    model's weights reset to the eager one's."""
+    from oracle import rel_error
+
+    losses = []
+    for model, optimiser in zip(models, optimisers):
+        optimiser.zero_grad()
+        loss = model(x, labels)
+        loss.backward()
+        losses.append(loss.detach())
+    module, eager_module = modules
+    step_errors = {"loss": rel_error(losses[0], losses[1])}
+    for (label, got), (_, want) in zip(module.named_parameters(), eager_module.named_parameters()):
+        step_errors[f"grad {label}"] = rel_error(got.grad, want.grad)
+    for optimiser in optimisers:
+        optimiser.step()
+    # Each step from the same weights: SGD's rounding differs between the runs by ~1e-7,
+    # enough to flip a relu's gate whose input is near 0 and move a body gradient by 4e-4.
+    with torch.no_grad():
+        for got, want in zip(module.parameters(), eager_module.parameters()):
+            got.copy_(want)
+    return step_errors
+
+
+def _pieces_holding_op(pieces: list) -> list[int]:
+    """Indices of the compiled pieces whose graph (or a subgraph) calls the cce op."""
     op = torch.ops.cce.linear_cross_entropy.default
-    holding = [
+    return [
         i
         for i, gm in enumerate(pieces)
         if any(
@@ -186,6 +190,37 @@ def run_case(name: str, args, device) -> dict:
             for n in sub.graph.nodes
         )
     ]
+
+
+def run_case(name: str, args, device) -> dict:
+    from oracle import COMPILED_VS_EAGER_RTOL
+    from torch._dynamo.utils import counters
+
+    model_kind, bucket_cap_mb, backend_kind, settings = {**CASES, **EXTRA_CASES}[name]
+    rank = dist.get_rank()
+    torch._dynamo.reset()
+    counters.clear()
+    module, eager_module, compiled_ddp, eager_ddp = _ddp_pair(
+        model_kind, bucket_cap_mb, args, device
+    )
+    pieces: list = []
+    compiled = torch.compile(compiled_ddp, backend=_backend(backend_kind, args.cpu_smoke, pieces))
+    optimisers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (module, eager_module)]
+    gen = torch.Generator(device=device).manual_seed(100 + rank)
+    rtol = COMPILED_VS_EAGER_RTOL[torch.float32]
+    errors = []
+    began = time.perf_counter()
+    batch, length = max(args.rows // 2048, 1), min(args.rows, 2048)
+    put_back_settings = _apply_settings(settings)
+    for _ in range(args.steps):
+        x = torch.randn(batch, length, args.dim, device=device, generator=gen)
+        labels = torch.randint(0, args.vocab, x.shape[:-1], device=device, generator=gen)
+        errors.append(
+            _compared_step((compiled, eager_ddp), (module, eager_module), optimisers, x, labels)
+        )
+    put_back_settings()
+    seconds = time.perf_counter() - began
+    holding = _pieces_holding_op(pieces)
     worst = max(max(step.values()) for step in errors)
     rewritten = counters["cce_compile"]["rewritten"]
     if backend_kind == "hook":
