@@ -70,7 +70,8 @@ class StepRecorder(transformers.TrainerCallback):
         self.peaks.append(torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line; ``--cpu-smoke`` replaces the sizes with toy ones."""
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=pathlib.Path)
     parser.add_argument("--no-compile", action="store_true", help="torch_compile=False")
@@ -84,7 +85,11 @@ def main() -> None:
     cli = parser.parse_args()
     if cli.cpu_smoke:
         cli.steps, cli.batch, cli.seq_len, cli.vocab, cli.hidden = 6, 2, 32, 1001, 64
+    return cli
 
+
+def build_model(cli) -> transformers.LlamaForCausalLM:
+    """The Llama of the command line's sizes (heads of 128, at least 4), seed 0."""
     heads = max(cli.hidden // 128, 4)
     config = transformers.LlamaConfig(
         vocab_size=cli.vocab,
@@ -100,8 +105,13 @@ def main() -> None:
         eos_token_id=2,
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    args = transformers.TrainingArguments(
+    return transformers.LlamaForCausalLM(config)
+
+
+def training_arguments(cli) -> transformers.TrainingArguments:
+    """Constant learning rate, a log every step, no checkpoints; bf16 on GPUs, float32 on the
+    CPU; ``torch_compile`` unless ``--no-compile``."""
+    return transformers.TrainingArguments(
         output_dir=str(cli.out / "trainer"),
         use_cpu=cli.cpu_smoke,
         bf16=not cli.cpu_smoke,
@@ -117,17 +127,15 @@ def main() -> None:
         seed=0,
         torch_compile=not cli.no_compile,
     )
-    recorder = StepRecorder()
-    windows = ZipfWindows(cli.steps * cli.batch * args.world_size, cli.seq_len, cli.vocab)
-    trainer = transformers.Trainer(
-        model=model, args=args, train_dataset=windows, callbacks=[recorder]
-    )
-    trainer.train()
 
+
+def rank_report(cli, args, trainer, recorder: StepRecorder) -> dict:
+    """What this rank writes: the logged losses, the pass's counters, the steps' seconds and
+    peak memory (medians and peaks past the warm-up) and how the model was wrapped."""
     timed = recorder.seconds[WARMUP_STEPS:] or recorder.seconds
     step_s = statistics.median(timed)
     tokens = cli.batch * cli.seq_len
-    report = {
+    return {
         "rank": args.process_index,
         "world": args.world_size,
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
@@ -151,6 +159,20 @@ def main() -> None:
             seq_len=cli.seq_len,
         ),
     }
+
+
+def main() -> None:
+    cli = parse_args()
+    model = build_model(cli)
+    args = training_arguments(cli)
+    recorder = StepRecorder()
+    windows = ZipfWindows(cli.steps * cli.batch * args.world_size, cli.seq_len, cli.vocab)
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=windows, callbacks=[recorder]
+    )
+    trainer.train()
+
+    report = rank_report(cli, args, trainer, recorder)
     print(f"rank {report['rank']}: cce_compile counters {report['cce_compile']}", flush=True)
     cli.out.mkdir(parents=True, exist_ok=True)
     (cli.out / f"rank{args.process_index}.json").write_text(json.dumps(report))
