@@ -302,17 +302,10 @@ def _method_step(method, mesh, shape, shard_weight, dtype):
     return run, head.weight, loss_parallel
 
 
-def bench_shape(name, mesh, reps, warmup, methods, scenarios) -> list[dict]:
-    """Every method on shape ``name`` in every scenario: each method compiles once per
-    precision (bf16, AMP) and runs each share of ignored targets on the same graph. Rows carry
-    the loss and hidden's gradient against ``loss_parallel``'s on the same inputs and weights,
-    and whether the pass rewrote the head (``rewritten``)."""
-    from oracle import rel_error
-    from torch._dynamo.utils import counters
-    from torch.distributed.tensor import DTensor
-
-    from cce_compile.distributed import collectives
-
+def _shape_inputs(name):
+    """The inputs of shape ``name``, the same for every method: the float32 hidden (seed 0),
+    the labels, the draw that picks the ignored targets, and this rank's shard of the head's
+    weight (seed 1 + rank). Returns ((n, dim, vocab), hidden, labels, draw, shard_weight)."""
     shape = n, dim, vocab = {**SHAPES, **SMOKE_SHAPES}[name]
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -322,6 +315,57 @@ def bench_shape(name, mesh, reps, warmup, methods, scenarios) -> list[dict]:
     _, size = shard_of(vocab, rank, world)
     own = torch.Generator(device=DEVICE).manual_seed(1 + rank)
     shard_weight = torch.randn(size, dim, device=DEVICE, generator=own) * dim**-0.5
+    return shape, base_hidden, labels, draw, shard_weight
+
+
+def _measure_scenario(method, run, weight, context, hidden, targets, amp, reps, warmup) -> dict:
+    """One method on one scenario's targets: a first call (which compiles, the first time), one
+    call measured for its loss, the op's collectives and the peak memory above the inputs, then
+    the median time. ``first_call_s``: the first call's seconds."""
+    from torch.distributed.tensor import DTensor
+
+    from cce_compile.distributed import collectives
+
+    autocast = torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=amp)
+    with context(), _mode_of(method), autocast:
+        began = time.perf_counter()
+        run(hidden, targets)  # compiles, the first time
+        first_call_s = time.perf_counter() - began
+        hidden.grad = weight.grad = None
+        if DEVICE == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        base, _ = _memory()
+        collectives.ISSUED.clear()
+        loss = _plain(run(hidden, targets)).detach().float()
+        issued = dict(collectives.ISSUED)
+        peak = _memory()[1] - base
+        grad = weight.grad
+        grad_bytes = (
+            hidden.grad.nbytes + (grad._local_tensor if isinstance(grad, DTensor) else grad).nbytes
+        )
+        grad_hidden = hidden.grad.detach().clone()
+        ms = cuda_time_ms(functools.partial(run, hidden, targets), reps, warmup)
+    return dict(
+        first_call_s=first_call_s,
+        loss=loss,
+        issued=issued,
+        peak=peak,
+        grad_bytes=grad_bytes,
+        grad_hidden=grad_hidden,
+        ms=ms,
+    )
+
+
+def bench_shape(name, mesh, reps, warmup, methods, scenarios) -> list[dict]:
+    """Every method on shape ``name`` in every scenario: each method compiles once per
+    precision (bf16, AMP) and runs each share of ignored targets on the same graph. Rows carry
+    the loss and hidden's gradient against ``loss_parallel``'s on the same inputs and weights,
+    and whether the pass rewrote the head (``rewritten``)."""
+    from oracle import rel_error
+    from torch._dynamo.utils import counters
+
+    shape, base_hidden, labels, draw, shard_weight = _shape_inputs(name)
+    n, dim, vocab = shape
     by_precision: dict[bool, list[str]] = {}
     for scenario in scenarios:
         by_precision.setdefault(parse_scenario(scenario)[0], []).append(scenario)
@@ -336,26 +380,12 @@ def bench_shape(name, mesh, reps, warmup, methods, scenarios) -> list[dict]:
             compile_s = None
             for scenario in names:
                 targets = torch.where(draw < parse_scenario(scenario)[1], -100, labels)
-                autocast = torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=amp)
-                with context(), _mode_of(method), autocast:
-                    began = time.perf_counter()
-                    run(hidden, targets)  # compiles, the first time
-                    compile_s = compile_s or time.perf_counter() - began
-                    hidden.grad = weight.grad = None
-                    if DEVICE == "cuda":
-                        torch.cuda.reset_peak_memory_stats()
-                    base, _ = _memory()
-                    collectives.ISSUED.clear()
-                    loss = _plain(run(hidden, targets)).detach().float()
-                    issued = dict(collectives.ISSUED)
-                    peak = _memory()[1] - base
-                    grad = weight.grad
-                    grad_bytes = (
-                        hidden.grad.nbytes
-                        + (grad._local_tensor if isinstance(grad, DTensor) else grad).nbytes
-                    )
-                    grad_hidden = hidden.grad.detach().clone()
-                    ms = cuda_time_ms(functools.partial(run, hidden, targets), reps, warmup)
+                measured = _measure_scenario(
+                    method, run, weight, context, hidden, targets, amp, reps, warmup
+                )
+                compile_s = compile_s or measured["first_call_s"]
+                loss, grad_hidden = measured["loss"], measured["grad_hidden"]
+                ms, issued = measured["ms"], measured["issued"]
                 key = (name, scenario)
                 if method == "loss_parallel":
                     reference[key] = (loss, grad_hidden)
@@ -368,7 +398,7 @@ def bench_shape(name, mesh, reps, warmup, methods, scenarios) -> list[dict]:
                     vocab=vocab,
                     method=method,
                     ms=ms,
-                    extra_gib=max(peak - grad_bytes, 0) / GiB,
+                    extra_gib=max(measured["peak"] - measured["grad_bytes"], 0) / GiB,
                     compile_s=compile_s,
                     op_collectives=issued,
                     rewritten=counters["cce_compile"]["rewritten"],
