@@ -235,7 +235,8 @@ def compare(runs: dict) -> dict:
     return out
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line; ``--cpu-smoke`` replaces the sizes with toy ones."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--workdir", type=pathlib.Path, required=True)
@@ -256,6 +257,49 @@ def main(argv=None) -> None:
         args.steps, args.local_batch, args.seq_len = min(args.steps, 6), 2, 64
         args.vocab, args.vocab_words, args.dim, args.layers, args.heads = 1000, 900, 64, 2, 4
         args.corpus_tokens = 20_000
+    return args
+
+
+def run_all(args, layouts: list[str]) -> tuple[dict, dict]:
+    """Every variant of every layout in turn, all ranks together: ({(layout, variant): run},
+    {"layout/variant": the error of a run that failed})."""
+    import torch
+    import torch.distributed as dist
+
+    runs: dict = {}
+    failures: dict = {}
+    for layout in layouts:
+        for variant in args.variants.split(","):
+            if dist.is_initialized():
+                dist.barrier()
+            try:
+                runs[(layout, variant)] = run_one(args, layout, variant)
+            except Exception as exc:  # noqa: BLE001  (recorded; the other runs go on)
+                failures[f"{layout}/{variant}"] = f"{type(exc).__name__}: {exc}"[-3000:]
+            # The run's model, optimiser and (fused) FusedHead go before the next run is built:
+            # the fused loss finds its head as the one live FusedHead.
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return runs, failures
+
+
+def gather_ranks(runs: dict, failures: dict) -> list:
+    """Every rank's runs and failures, in rank order (this rank's alone without a group)."""
+    import torch.distributed as dist
+
+    ranks = [None] * dist.get_world_size() if dist.is_initialized() else [None]
+    mine = dict(runs=list(runs.values()), failures=failures)
+    if dist.is_initialized():
+        dist.all_gather_object(ranks, mine)
+    else:
+        ranks = [mine]
+    return ranks
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.cpu_smoke:
         sys.path.insert(0, str(ROOT / "tests" / "integrations"))
         import titan_cpu_train  # noqa: F401  (makes torchtitan pick the CPU, before it loads)
 
@@ -280,27 +324,8 @@ def main(argv=None) -> None:
     # first Trainer starts the process group.
     args.workdir = args.workdir / f"rank{rank}"
     write_assets(args.workdir, args.vocab_words, tokens=args.corpus_tokens)
-    runs: dict = {}
-    failures: dict = {}
-    for layout in layouts:
-        for variant in args.variants.split(","):
-            if dist.is_initialized():
-                dist.barrier()
-            try:
-                runs[(layout, variant)] = run_one(args, layout, variant)
-            except Exception as exc:  # noqa: BLE001  (recorded; the other runs go on)
-                failures[f"{layout}/{variant}"] = f"{type(exc).__name__}: {exc}"[-3000:]
-            # The run's model, optimiser and (fused) FusedHead go before the next run is built:
-            # the fused loss finds its head as the one live FusedHead.
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-    ranks = [None] * dist.get_world_size() if dist.is_initialized() else [None]
-    mine = dict(runs=list(runs.values()), failures=failures)
-    if dist.is_initialized():
-        dist.all_gather_object(ranks, mine)
-    else:
-        ranks = [mine]
+    runs, failures = run_all(args, layouts)
+    ranks = gather_ranks(runs, failures)
     if (dist.get_rank() if dist.is_initialized() else 0) == 0:
         result = dict(
             torchtitan=torchtitan.__version__,
