@@ -50,8 +50,9 @@ class Settings:
     """CCE_MODE: 'lean' (recompute in backward), 'fast' (gradients during forward), 'auto'."""
     memory_fraction: float = _rewrite("CCE_MEMORY_FRACTION", 0.2)
     """CCE_MEMORY_FRACTION: extra memory the loss may use, as a fraction of the logits it
-    replaces (N x V x the head's dtype size): bounds every chunk and slab, and auto picks the
-    fastest mode that fits (see policy.py)."""
+    replaces (N x V x the head's dtype size; a vocabulary-parallel call gets twice it of each
+    rank's share): bounds every chunk and slab, and auto picks the fastest mode that fits (see
+    policy.py)."""
     memory_budget_mb: int | None = _rewrite("CCE_MEMORY_BUDGET_MB", None)
     """CCE_MEMORY_BUDGET_MB: an absolute budget in MiB that replaces the fraction (unset: the
     fraction rules)."""

@@ -5,7 +5,9 @@ Every extra byte is counted against one budget (beyond the op's inputs, its outp
 gradients it returns):
 
 * budget: ``CCE_MEMORY_BUDGET_MB`` if set; else ``CCE_MEMORY_FRACTION`` (1/5) of the logits it
-  replaces, N x V x the head's dtype size; at least ``MIN_BUDGET``.
+  replaces, N x V x the head's dtype size (a vocabulary-parallel call:
+  ``VOCAB_PARALLEL_BUDGET_SCALE`` times that fraction of each rank's share); at least
+  ``MIN_BUDGET``.
 * lean: forward, the rounded hidden (AMP) and one rounded classifier slab; backward, a float32
   d-hidden accumulator (N x D x 4), the rounded hidden (AMP) and slabs of ``w`` classes
   (N x w gradient, plus w x D rounded classifier under AMP, plus w x D x 4 for a

@@ -36,8 +36,11 @@ Fast mode (three GEMMs, no recomputation) keeps each chunk's logits until its gr
 written, and the gradient needs the global lse, so the combine moves inside the chunk loop
 (``SplitVocabulary``; both implementations). Per chunk of n rows, on every rank:
 
-1. z = the shard's logits (n x V_local, float32): GEMM 1;
-2. the shard's lse, target logit and wsum of z (one read of the chunk);
+1. z = the shard's logits: GEMM 1 (on a GPU with a bf16 / fp16 gradient, fused as on one
+   device: each tile's exp(z - tile max) in that dtype with the tile's maximum and partial lse;
+   else n x V_local float32);
+2. the shard's lse, target logit and wsum of z (from the fused GEMM's partials; else one read
+   of the chunk);
 3. ONE all-gather of those packed rows, combined as above: the chunk's global statistics;
 4. dz = coef_p * exp(z - lse) - coef_t * onehot - coef_w * w with the global lse and the unit
    upstream gradient's coefficients of the whole vocabulary, written over z;
@@ -50,7 +53,9 @@ budget of that share, never from the rank's own uneven shard), and the loss's st
 travel exactly as in lean mode, split by rows. The backward only scales the saved gradients by
 the upstream gradient; hidden's is all-reduced once, in float32 before its one rounding, over
 the rows the forward kept (as in lean mode), unless the caller reduces it
-(``reduce_hidden_grad``). Memory per rank: a chunk's n x V_local float32 logits, the shard's
+(``reduce_hidden_grad``). The budget, forward and lean backward, is that of the share at twice
+the single-device fraction (``decide.budget_bytes(..., vocab_parallel=True)``). Memory per
+rank: a chunk's n x V_local exponentials or float32 logits, the shard's
 classifier gradient (an output) and hidden's partial gradient, N x D, held from the forward to
 the backward: float32 where the op reduces it (the all-reduce's operand), else in hidden's
 dtype. Lean is taken where fast cannot serve a call alike on every rank or at all: 'none',
@@ -179,7 +184,8 @@ def backward(args: Bound) -> Gradients:
     alone, from that buffer (``_fast_hidden_gradient``)."""
     if args.fast_grad_hidden is not None:
         return _fast_hidden_gradient(args), None, None
-    return dispatch.recompute(args, call_plan.needs_of(args), _gradients_rows)
+    needs = call_plan.needs_of(args)
+    return dispatch.recompute(args, needs, _gradients_rows, budget=_budget(args))
 
 
 def _fast_hidden_gradient(args: Bound) -> torch.Tensor:

@@ -214,10 +214,14 @@ def scale_gradient_(gradient: torch.Tensor, grad_loss: torch.Tensor) -> torch.Te
     return handed_out
 
 
-def recompute(args: Bound, needs: Needs, gradients_rows: GradientRows) -> Gradients:
+def recompute(
+    args: Bound, needs: Needs, gradients_rows: GradientRows, budget: int | None = None
+) -> Gradients:
     """``gradients_rows`` on the rows the forward computed on (``row_index``), hidden's
-    gradient given back for every position (exact zeros at skipped ones)."""
-    budget = budget_of(args)
+    gradient given back for every position (exact zeros at skipped ones); ``budget``: the
+    call's memory budget where its forward had another than ``budget_of``'s (a vocabulary
+    shard's)."""
+    budget = budget_of(args) if budget is None else budget
     selection = compaction.of_backward(args)
     if selection is None or not selection.compacted:
         return gradients_rows(args, needs, budget)

@@ -117,3 +117,40 @@ def test_the_vocabulary_parallel_function_tells_mode_its_softcap(mode_calls):
             dist.destroy_process_group()
     assert [call.get("softcap") for call in mode_calls] == [False, True]
     assert [call.get("vocab_parallel") for call in mode_calls] == [True, True]
+
+
+def test_the_lean_backward_plans_with_the_forwards_budget(monkeypatch):
+    """The lean backward recomputes with the budget its forward planned with (twice the
+    fraction of the share's logits), not the single-device one of the rank's own shard."""
+    import torch.distributed as dist
+
+    from cce_compile import decide
+    from cce_compile.op import dispatch
+
+    budgets = []
+    head_inputs = dispatch.head_inputs
+
+    def recording(args, budget, **kw):
+        budgets.append(("backward" if args.has("grad_loss") else "forward", budget))
+        return head_inputs(args, budget, **kw)
+
+    monkeypatch.setattr(dispatch, "head_inputs", recording)
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        rows, vocab = 4096, 512  # a budget over policy.MIN_BUDGET
+        hidden = torch.randn(1, rows, D, requires_grad=True)
+        classifier = torch.randn(vocab, D, requires_grad=True)
+        targets = torch.randint(0, vocab, (1, rows))
+        vocab_parallel_cross_entropy(
+            hidden, classifier, targets, vocab_start=0, vocab_size=vocab, mode="lean"
+        ).backward()
+    finally:
+        if created:
+            dist.destroy_process_group()
+    problem = decide.problem_of(hidden, classifier, 0, None, vocab=vocab)
+    planned = decide.budget_bytes(problem, vocab_parallel=True)
+    assert planned > decide.budget_bytes(problem)
+    assert {phase for phase, _ in budgets} == {"forward", "backward"}
+    assert {budget for _, budget in budgets} == {planned}, budgets

@@ -148,3 +148,134 @@ def test_shards_add_up_to_the_whole_vocabulary(impl, name, shards, monkeypatch):
     for label, g, w, scale in zip(("hidden", "classifier", "bias"), got, want, scales):
         err = rel_error(g.cpu(), w, scale)
         assert err <= GRAD_RTOL[torch.float32], f"grad_{label}: {err:.2e}"
+
+
+# Every shard in the fused form, each chunk combined over ALL shards' fused statistics of that
+# chunk (what the all-gather gives each rank), in chunks of 4 positions that do not divide the
+# 13: the cases above run the Triton path in one chunk (fast mode's floor is 512-1024 rows)
+# and combine it with lean's statistics of the other shards. (options, shards, seed)
+FUSED_CHUNK_CASES = {
+    # shards of 9, 10 and 8 classes planned for a share of 7, one empty; 2 x 7 positions
+    "four-shards-one-empty-every-option-shift": (
+        dict(
+            bias=True,
+            label_smoothing=0.1,
+            class_weights=True,
+            z_loss=1e-3,
+            logit_scale=1.3,
+            shift=1,
+            leading=(2, 7),
+        ),
+        (9, 0, 10, 8),
+        6,
+    ),
+    # the middle shard's logits all -inf (its statistics -inf, 0); targets on the first and
+    # last class of the other shards
+    "minus-inf-shard-targets-at-boundaries": (
+        dict(bias=True, ignored_fraction=0.0, leading=(1, 13)),
+        (10, 7, 10),
+        9,
+    ),
+    # int32 targets: ignore_index 2**32 + 5 wraps to class 5, which counts (PyTorch's int64)
+    "int32-ignore_index-outside-sum": (
+        dict(
+            target_dtype=torch.int32,
+            ignore_index=2**32 + 5,
+            ignored_fraction=0.4,
+            reduction="sum",
+            leading=(1, 13),
+        ),
+        (17, 10),
+        14,
+    ),
+}
+
+
+def _combined(parts: list[RowStats]) -> RowStats:
+    """The shards' statistics of the same rows combined in shard order (the all-gather's)."""
+    lse = torch.logsumexp(torch.stack([p.lse for p in parts]), 0)
+    target = torch.stack([p.target_logit for p in parts]).sum(0)
+    wsum = None if parts[0].wsum is None else torch.stack([p.wsum for p in parts]).sum(0)
+    return RowStats(lse, target, wsum)
+
+
+def _fused_shard_outputs(impl, heads: list[HeadInputs], rows, vocab: int, needs: Needs) -> list:
+    """Each shard's fast_forward with every chunk combined over all shards' own statistics:
+    a first run records each shard's per-chunk statistics (they do not depend on what the
+    combine returns), the second combines the running shard's with the others' records."""
+    share = -(-vocab // len(heads))
+    recorded = [[] for _ in heads]
+    for head, store in zip(heads, recorded):
+
+        def record(local: RowStats, store=store) -> RowStats:
+            kept = (local.lse, local.target_logit, local.wsum)
+            store.append(RowStats(*(None if t is None else t.clone() for t in kept)))
+            return local
+
+        impl.fast_forward(head, rows, needs=needs, split=SplitVocabulary(vocab, share, record))
+    outs = []
+    for me, head in enumerate(heads):
+        chunks = iter(range(len(recorded[me])))
+
+        def combine(local: RowStats, me=me, chunks=chunks) -> RowStats:
+            k = next(chunks)
+            return _combined([local if j == me else r[k] for j, r in enumerate(recorded)])
+
+        split = SplitVocabulary(vocab, share, combine)
+        outs.append(impl.fast_forward(head, rows, needs=needs, split=split))
+    assert [len(r) for r in recorded] == [4] * len(heads), "one combine per chunk of 4 positions"
+    return outs
+
+
+@pytest.mark.skipif(not (DEVICE == "cuda" or INTERPRETING), reason="needs the Triton path")
+@pytest.mark.parametrize("name", list(FUSED_CHUNK_CASES))
+def test_fused_shards_combine_chunk_by_chunk(name, monkeypatch):
+    from cce_compile.implementations import triton_path
+
+    options, shards, seed = FUSED_CHUNK_CASES[name]
+    options = dict(options)
+    leading = options.pop("leading")
+    monkeypatch.setattr(policy, "fast_fuses_exp", lambda problem, whole_rows: not whole_rows)
+    monkeypatch.setattr(policy, "fast_run_rows", lambda problem, *args, **kwargs: 4)
+    vocab = sum(shards)
+    case = build_case(leading=leading, dim=8, vocab=vocab, seed=seed, **options)
+    if name.startswith("minus-inf"):
+        case.bias[10:17] = float("-inf")
+        case.targets = torch.tensor([[0, 9, 17, 26, 0, 9, 17, 26, 26, 17, 9, 0, 5]])
+    spec = LossSpec(**{k: v for k, v in case.options().items() if k != "class_weights"})
+    weights = None if case.class_weights is None else case.class_weights.to(DEVICE)
+    rows = row_targets(case.targets.to(DEVICE), weights, spec, vocab)
+    starts = [sum(shards[:i]) for i in range(len(shards))]
+
+    def part(t, start, size):
+        return None if t is None else t[start : start + size].to(DEVICE)
+
+    heads = [
+        HeadInputs(
+            case.hidden.to(DEVICE),
+            case.classifier[start : start + size].to(DEVICE),
+            case.targets.to(DEVICE),
+            part(case.bias, start, size),
+            part(case.class_weights, start, size),
+            spec,
+            1 << 20,
+            col_start=start,
+        )
+        for start, size in zip(starts, shards)
+    ]
+    needs = Needs(hidden=True, classifier=True, bias=case.bias is not None)
+    outs = _fused_shard_outputs(triton_path, heads, rows, vocab, needs)
+
+    for leaf in case.leaves():
+        leaf.requires_grad_()
+    expected = oracle(case)
+    want = torch.autograd.grad(expected, case.leaves())
+    scales = gradient_scale(case, torch.ones(()), None, case.leaves())
+    for out in outs:
+        assert rel_error(out.loss.cpu(), expected, loss_scale(case)) <= LOSS_RTOL[torch.float32]
+    got = [sum(o.grad_hidden for o in outs), torch.cat([o.grad_classifier for o in outs])]
+    if case.bias is not None:
+        got.append(torch.cat([o.grad_bias for o in outs]))
+    for label, g, w, scale in zip(("hidden", "classifier", "bias"), got, want, scales):
+        err = rel_error(g.cpu(), w, scale)
+        assert err <= GRAD_RTOL[torch.float32], f"grad_{label}: {err:.2e}"
