@@ -381,10 +381,10 @@ def mode(
     mode; a requested mode is explicit: 'fast' where it cannot apply is an error), lean under
     gradient filtering, else the policy's choice for the gradients ``needs`` asks for (the op's
     grad flags, ``gradients_asked``); ``softcap`` ... ``argmax``: what a fast run would compute
-    (a softcap, the entropy, the argmax), which sets its chunks'
-    form (``policy.fast_needs_whole_rows``); ``vocab_parallel``: ``problem`` is each rank's
-    share of a split vocabulary, with its budget (``budget_bytes``). ``dtypes``: hidden's,
-    the classifier's and the bias's (None without one), the dtypes of their gradients.
+    (a softcap, the entropy, the argmax), which sets its chunks' form
+    (``policy.fast_needs_whole_rows``); ``vocab_parallel``: ``problem`` is each rank's share of
+    a split vocabulary, with its budget (``budget_bytes``). ``dtypes``: hidden's, the
+    classifier's and the bias's (None without one), the dtypes of their gradients.
     ``lse_has_grad`` / ``entropy_has_grad``: the returned lse / entropy takes a gradient (fast
     mode's buffers hold only the loss's); ``lean_metrics``: row metrics asked that only lean
     mode computes (``lean_only_metrics``)."""

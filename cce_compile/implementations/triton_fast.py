@@ -9,8 +9,8 @@ For each token chunk of ``n`` rows:
   (``triton_shared.scale_``). Three GEMMs, the minimum, and no V x D tensor but the gradient
   (below D = 1024 a bf16 gradient is summed in a float32 buffer and rounded once, as is a bf16
   one of float16 products at every D: ``policy.sums_classifier_in_float32``).
-  Over a vocabulary shard (``SplitVocabulary``): ``chunk_row_stats``, the combine over the
-  ranks, then ``chunk_softmax_grad`` with the whole vocabulary's lse.
+  Over a vocabulary shard (``SplitVocabulary``), in this whole-rows form: ``chunk_row_stats``,
+  the combine over the ranks, then ``chunk_softmax_grad`` with the whole vocabulary's lse.
 Fused (``policy.fast_fuses_exp``: a bf16 / fp16 gradient; not with softcap, entropy or
 argmax): a Triton GEMM (``logits_exp``) writes each tile's exp(z - tile max) into the
 gradient buffer in the compute dtype, with the tile maxima and partial lse; then
