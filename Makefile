@@ -64,8 +64,8 @@ test: install
 # marked gpu, then the Triton kernel and path tests, which carry no marker (CI runs them in
 # Triton's interpreter) and run on the GPU only when named.
 GPU_KERNEL_TESTS = tests/kernels tests/implementations/test_triton_path.py \
-	tests/implementations/test_split_vocabulary.py tests/op/test_compaction.py \
-	tests/test_row_metrics.py tests/test_filtering.py
+	tests/implementations/test_triton_fast.py tests/implementations/test_split_vocabulary.py \
+	tests/op/test_compaction.py tests/test_row_metrics.py tests/test_filtering.py
 test-gpu:
 	$(PYTHON) -m pytest -q -p no:cacheprovider -m gpu tests $(PYTEST_ARGS)
 	$(PYTHON) -m pytest -q -p no:cacheprovider $(GPU_KERNEL_TESTS) $(PYTEST_ARGS)
