@@ -15,6 +15,12 @@ arguments. On 0.3, FlexAttention has no CPU backward: add ``--override.imports
 titan_cpu_attention.cpu_flex_attention`` (this directory is the script's, so on sys.path).
 
     torchrun --standalone --nproc-per-node 2 tests/integrations/titan_cpu_train.py <trainer flags>
+
+On 0.2.2, several trainer runs in one job: their flags separated by ``--then``
+(titan_job.RUN_SEPARATOR). They follow one another in each rank, on the same process group (kept
+between runs, so torchtitan's ``init_distributed`` finds it), each announced by a line of its
+own (titan_job.RUN_MARKER), each parsing its own flags (0.2.2's ``ConfigManager.parse_args``
+reads ``sys.argv`` as it was at import unless given its arguments).
 """
 
 from __future__ import annotations
@@ -77,7 +83,32 @@ def _patch() -> None:
         )
 
 
+def _runs(argv: list[str], separator: str) -> list[list[str]]:
+    runs = [[]]
+    for arg in argv:
+        if arg == separator:
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    return runs
+
+
 if __name__ == "__main__":
     _patch()
-    sys.argv[0] = "torchtitan.train"
-    runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)
+    from titan_job import RUN_MARKER, RUN_SEPARATOR
+
+    runs = _runs(sys.argv[1:], RUN_SEPARATOR)
+    if len(runs) > 1:
+        from torchtitan.config import ConfigManager
+
+        parse_args = ConfigManager.parse_args
+        ConfigManager.parse_args = lambda self, args=None: parse_args(
+            self, sys.argv[1:] if args is None else args
+        )
+    destroy_process_group = torch.distributed.destroy_process_group
+    for number, flags in enumerate(runs, 1):
+        print(f"{RUN_MARKER} {number}", flush=True)
+        last = number == len(runs)
+        torch.distributed.destroy_process_group = destroy_process_group if last else lambda: None
+        sys.argv = ["torchtitan.train", *flags]
+        runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)

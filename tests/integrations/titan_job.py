@@ -17,6 +17,10 @@ import torchtitan
 RELEASE = ".".join(torchtitan.__version__.split(".")[:2])
 LAUNCHER = pathlib.Path(__file__).with_name("titan_cpu_train.py")
 FUSED_LOG_LINE = "cce_compile: torchtitan loss fused"
+# One torchrun job runs several trainers in turn (titan_cpu_train.py): their flags separated by
+# RUN_SEPARATOR, each run's output after its RUN_MARKER line.
+RUN_SEPARATOR = "--then"
+RUN_MARKER = "titan_cpu_train: run"
 # 0.2.2: a TOML job config, the TrainSpec hook; flags with underscores.
 FLAGS_02 = {
     "base": ("--job.config_file", "job.toml"),
@@ -63,10 +67,10 @@ FLAGS_03 = {
 # (0.3's hook refuses TP; 0.2's refuses reshard-after-forward 'always')
 LAYOUTS = ("fsdp2", "tp2", "dp2-tp2") if RELEASE == "0.2" else ("fsdp2", "fsdp2-reshard-always")
 RANKS = {"dp2-tp2": 4}  # ranks a layout runs on; 2 for the others
-# What the test suite runs: one layout per release (each costs 25-45 s on 2 CPU cores: two
-# torchrun jobs). FSDP2 on 0.2; on 0.3 FSDP2 with the head resharded after the norm's forward,
-# which only passes if the fused loss calls the head. The other LAYOUTS passed when checked by
-# hand (train(workdir, layout, fused=...) after write_assets(workdir)).
+# What the test suite runs: one layout per release (0.2.2: one torchrun job, ~24 s of CPU; two
+# jobs, one a run, took ~44 s). FSDP2 on 0.2; on 0.3 FSDP2 with the head resharded after the
+# norm's forward, which only passes if the fused loss calls the head. The other LAYOUTS passed
+# when checked by hand (train(workdir, layout) after write_assets(workdir)).
 SUITE_LAYOUT = "fsdp2" if RELEASE == "0.2" else "fsdp2-reshard-always"
 STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.eE+na]+)\s+grad_norm:\s*([-\d.eE+na]+)")
 TIMEOUT_S = 300
@@ -178,10 +182,20 @@ def _run(command: list[str], workdir: pathlib.Path) -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr
 
 
-def train(workdir: pathlib.Path, layout: str, *, fused: bool) -> tuple[list[tuple], str]:
-    """One torchtitan run on 2 ranks (RANKS: more): ([(loss, grad_norm) per step], its log).
-    Raises with the log's tail when the run fails (a finished run that aborts at exit is run
-    once more: TEARDOWN_ABORT)."""
+def train(
+    workdir: pathlib.Path, layout: str, *, fused: tuple[bool, ...] = (False, True)
+) -> list[tuple[list[tuple], str]]:
+    """torchtitan's trainer on 2 ranks (RANKS: more), once per entry of ``fused`` (the loss
+    fused or not), in turn in one torchrun job (0.3: one job a run, its configuration is not
+    parsed per run): per run ([(loss, grad_norm) per step], its log). Raises with the log's
+    tail when a job fails (a finished job that aborts at exit is run once more:
+    TEARDOWN_ABORT)."""
+    if RELEASE != "0.2" and len(fused) > 1:
+        return [run for fused_run in fused for run in train(workdir, layout, fused=(fused_run,))]
+    flags = []
+    for number, fused_run in enumerate(fused):
+        flags += [RUN_SEPARATOR] if number else []
+        flags += trainer_flags(layout, fused=fused_run)
     command = [
         sys.executable,
         "-m",
@@ -190,12 +204,25 @@ def train(workdir: pathlib.Path, layout: str, *, fused: bool) -> tuple[list[tupl
         "--nproc-per-node",
         str(RANKS.get(layout, 2)),
         str(LAUNCHER),
-        *trainer_flags(layout, fused=fused),
+        *flags,
     ]
     returncode, log = _run(command, workdir)
     if returncode != 0 and FINISHED in log and TEARDOWN_ABORT in log:
         returncode, log = _run(command, workdir)  # finished, then aborted at exit: once more
     if returncode != 0:
         raise AssertionError(f"torchtitan run failed ({' '.join(command)}):\n{log[-6000:]}")
+    return [_steps(run_log) for run_log in _run_logs(log, len(fused))]
+
+
+def _run_logs(log: str, runs: int) -> list[str]:
+    """The job's log cut at each run's first marker (of any rank). A run's steps wait for every
+    rank to have left the run before (collectives), so none is logged before its run's first
+    marker; a step of the run before logged late by one rank falls after it, and is replaced
+    in ``_steps`` by the run's own step of that number, logged later."""
+    starts = [log.index(f"{RUN_MARKER} {number}\n") for number in range(1, runs + 1)]
+    return [log[start:end] for start, end in zip(starts, [*starts[1:], len(log)])]
+
+
+def _steps(log: str) -> tuple[list[tuple], str]:
     steps = {int(m.group(1)): (float(m.group(2)), float(m.group(3))) for m in STEP.finditer(log)}
     return [steps[k] for k in sorted(steps)], log
