@@ -42,7 +42,8 @@ def pytest_addoption(parser):
 
 _MULTIPROCESS_DIR = pathlib.Path(__file__).parent / "distributed"
 # A test process holds torch, transformers and Dynamo's caches (~700,000 objects), which every
-# full collection walked: 47 and 51 s of the two workers' ~600 s in make test's first phase.
+# full collection walked: 47 and 51 s of the two workers' ~600 s (make test's single-process
+# tests, cold).
 # What collection imported is frozen (never walked again), and the youngest generation is
 # collected every 50,000 net allocations instead of 700: 18 s a worker.
 GC_THRESHOLDS = (50_000, 20, 100)
@@ -59,8 +60,8 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # The tests that start groups of processes (tests/distributed/) are marked: `make test`
-    # runs them alone, after the others ran on two workers (they use both cores themselves).
+    # The tests that start groups of processes (tests/distributed/) are marked, to run them
+    # apart (-m multiprocess) or leave them out; `make test` runs them among the others.
     multiprocess = pytest.mark.multiprocess
     for item in items:
         if _MULTIPROCESS_DIR in pathlib.Path(item.fspath).parents:
