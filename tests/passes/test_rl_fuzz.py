@@ -50,6 +50,11 @@ class Step:
         if self.hazard == "entropy-before-temperature":
             if self.temperature != "none" or self.slice == "verl":  # two sets of logits
                 reasons.add("logits_escape")
+            elif self.log_probs == "none" and self.entropy_grad:
+                # A known limit: a differentiated entropy beside a no-grad one of the same
+                # logits, with no log-prob site, is left alone (exact, with this reason); with
+                # a log-prob site both fuse into one call.
+                reasons.add("logits_escape")
         return reasons
 
     def __call__(self, x, w, ids):
