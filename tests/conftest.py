@@ -59,6 +59,26 @@ def pytest_unconfigure(config):
     gc.unfreeze()  # the objects frozen above are freed at exit as usual
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with every file of tests/distributed in one unit of work: one worker
+    runs their process groups one after another (none beside another group) from one fork
+    server (tests/distributed/launcher.py: ~10 s of CPU to start in each worker that needs
+    one), while the other worker runs other files."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    distributed = _MULTIPROCESS_DIR.relative_to(config.rootpath).as_posix() + "/"
+
+    class DistributedTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return distributed if scope.startswith(distributed) else scope
+
+    return DistributedTogether(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     # The tests that start groups of processes (tests/distributed/) are marked, to run them
     # apart (-m multiprocess) or leave them out; `make test` runs them among the others.
