@@ -121,7 +121,8 @@ def _training(name, args):
     step_fn = torch.compile(
         loss_of,
         backend=cce_compile.backend if backend == "cce" else backend,
-        dynamic=True if args.cap_gib else None,  # one graph for every batch size tried
+        # One graph for every batch size a capped search tries; --dynamic asks for it alone.
+        dynamic=True if args.cap_gib or args.dynamic else None,
     )
 
     def train_step(i, size=None):
@@ -189,7 +190,7 @@ def run_capped(name, args):
             while size <= args.max_batch:
                 try:
                     train_step(0, size)  # warm-up (and the one compile)
-                    times, _ = _timed(train_step, 1, 3, size)
+                    times, _ = _timed(train_step, 1, args.cap_steps, size)
                 except torch.OutOfMemoryError:
                     break
                 fits[size] = size * args.seq / statistics.median(times) * 1e3
@@ -244,6 +245,10 @@ def markdown_capped(results):
             f"| {name} | {r['max_batch']} | {r['best_batch']} | {r['tokens_per_s']:,.0f} | "
             f"{'-' if ratio is None else f'{ratio:.3f}'} |"
         )
+    lines.append("")
+    for name, r in results["variants"].items():
+        rates = ", ".join(f"{b}: {t:,.0f}" for b, t in r.get("tokens_per_s_by_batch", {}).items())
+        lines.append(f"* {name}, tokens/s by batch: {rates or '-'}")
     return "\n".join(lines)
 
 
@@ -259,7 +264,9 @@ def markdown(results):
         "",
         f"HF Llama: {args['layers']} layers, hidden {args['hidden']}, V {args['vocab']}; "
         f"{args['batch']} x {args['seq']} tokens, labels {args['labels']}, lora {args['lora']}; "
-        f"bf16 autocast, float32 weights, fused AdamW; median of {args['steps']} steps. "
+        f"bf16 autocast, float32 weights, fused AdamW"
+        f"{', compiled with dynamic=True' if args.get('dynamic') else ''}; "
+        f"median of {args['steps']} steps. "
         f"bf16 logits: {logits_gib:.2f} GiB.",
         "",
         "| variant | step ms | tokens/s | x compile | peak GiB | saved vs compile | "
@@ -297,6 +304,9 @@ def add_step_arguments(parser, *, variants: str, layers: int, batch: int) -> Non
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--labels", choices=("all", "sft50"), default="all")
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument(
+        "--dynamic", action="store_true", help="compile with dynamic=True (as --cap-gib does)"
+    )
 
 
 def main(argv=None):
@@ -305,6 +315,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--cap-gib", type=float, default=None)
     parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--cap-steps", type=int, default=3, help="timed steps per capped batch")
     parser.add_argument("--out", default="bench/results/e2e")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out)
