@@ -353,6 +353,17 @@ def shard_vocab(vocab_size: int, ranks: int) -> int:
     return -(-vocab_size // max(ranks, 1))
 
 
+def planned_rows(rows_hint: int, symbolic: bool) -> int:
+    """The rows a compiled call's mode is chosen for: its example's, or, where the graph's row
+    count is symbolic (one graph for every size), at least ``policy.SYMBOLIC_PLAN_ROWS``. The
+    fractional budget grows with the rows, so a graph first traced on a small batch would keep
+    that batch's mode (lean, where fast's chunks do not fit yet) at every larger size. An
+    absolute budget (CCE_MEMORY_BUDGET_MB) does not grow: there the example stands."""
+    if not symbolic or config.get().memory_budget_mb is not None:
+        return rows_hint
+    return max(rows_hint, policy.SYMBOLIC_PLAN_ROWS)
+
+
 def budget_bytes(problem: policy.Problem, vocab_parallel: bool = False) -> int:
     """The extra memory the settings give this problem (policy.py; ``vocab_parallel``: each
     rank's share of a split vocabulary)."""

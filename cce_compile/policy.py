@@ -28,7 +28,8 @@ gradients it returns):
   bytes leave allows.
 * auto: fast when it is valid (scalar loss, gradients wanted, no gradient of the returned lse)
   and a chunk of at least ``fast_floor_rows`` rows, or all rows, fits; else lean. A fast run
-  keeps at least that floor (``fast_run_rows``).
+  keeps at least that floor (``fast_run_rows``). A compiled graph with a symbolic row count
+  plans its mode for at least ``SYMBOLIC_PLAN_ROWS`` rows (``decide.planned_rows``).
 * CPU path: chunks of rows of float32 temporaries (3 x V x 4 bytes per row) within the budget.
 
 Why a floor (``fast_floor_rows``): each fast chunk re-reads and re-writes the classifier's
@@ -86,6 +87,10 @@ FUSED_TILE_MIN_CLASSES = 128
 # vocabulary's, so twice the fraction keeps the op near the same share of its baseline's memory,
 # with half the chunks, each ~0.5 ms of fixed cost at 8k tokens (bench/results/distributed.md).
 VOCAB_PARALLEL_BUDGET_SCALE = 2.0
+# The rows a compiled graph with a symbolic row count plans its mode for (at least;
+# ``decide.planned_rows``): enough that fast's chunks fit the fractional budget wherever they
+# fit a large call (V >= ~6 D under AMP), as the graph also runs the large ones.
+SYMBOLIC_PLAN_ROWS = 1 << 16
 # The smallest budget: tiny problems (tests, the CPU demo's first steps) still get chunks of
 # useful size.
 MIN_BUDGET = 1 << 20

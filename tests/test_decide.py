@@ -173,6 +173,35 @@ def test_mode_explicit_fast_without_a_scalar_loss_is_an_error_and_filtering_take
         assert decide.mode(None, problem, grad_filter=None, reduction="none", **call) == "lean"
 
 
+@pytest.mark.parametrize("hint", [8, policy.SYMBOLIC_PLAN_ROWS * 3])
+def test_planned_rows_plans_a_symbolic_count_for_large_calls_under_a_fractional_budget(hint):
+    assert decide.planned_rows(hint, symbolic=False) == hint
+    assert decide.planned_rows(hint, symbolic=True) == max(hint, policy.SYMBOLIC_PLAN_ROWS)
+    with config.override(memory_budget_mb=64):  # an absolute budget does not grow: the hint
+        assert decide.planned_rows(hint, symbolic=True) == hint
+
+
+def test_a_large_plan_takes_fast_where_the_example_size_takes_lean():
+    """What ``planned_rows`` is for: at AMP, 4096 rows of a Llama-3 head leave no room for
+    fast's chunks in 1/5 of their logits; the rows a symbolic graph plans for do."""
+    amp = (torch.float32, torch.float32)
+    call = dict(
+        needs=dict(grad_hidden=True, grad_classifier=True, grad_bias=False),
+        dtypes=(torch.float32, torch.float32, None),
+        reduction="mean",
+    )
+
+    def mode(rows):
+        problem = policy.problem(
+            rows, (128256, 2048), torch.bfloat16, "cuda", compute_dtype=torch.bfloat16, dtypes=amp
+        )
+        return decide.mode(None, problem, **call)
+
+    with config.override(mode="auto"):
+        assert mode(4096) == "lean"
+        assert mode(decide.planned_rows(4096, symbolic=True)) == "fast"
+
+
 WHOLE_ROW_FLAGS = ["softcap", "entropy", "argmax"]  # not a vocabulary shard: see triton_fast
 
 

@@ -372,14 +372,15 @@ def choose_site_mode(site: PlainSite, needs: tuple[bool, bool, bool]) -> str:
     """The op's mode for a site (``decide.mode``), on the example sizes.
 
     Under dynamic shapes the sizes are hints: the choice is a performance decision only (both
-    modes compute the same values), so it adds no guard.
+    modes compute the same values), so it adds no guard; a symbolic row count is planned for
+    the larger calls the graph also runs (``decide.planned_rows``).
     """
     classifier = p.tensor_value(site.classifier)
     vocab, dim = (p.size_hint(s) or 1 for s in classifier.shape)
     if site.classifier_is_transposed:
         vocab, dim = dim, vocab
     operands = (p.tensor_value(site.hidden), classifier)
-    rows = p.size_hint(site.rows) or 1
+    rows = decide.planned_rows(p.size_hint(site.rows) or 1, isinstance(site.rows, torch.SymInt))
     device = operands[0].device.type
     dtypes = tuple(t.dtype for t in operands)
     compute = site.compute_dtype

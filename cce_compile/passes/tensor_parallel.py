@@ -351,12 +351,13 @@ def _needs(site: TensorParallelSite) -> dict[str, bool]:
 
 def _site_mode(site: TensorParallelSite, needs: dict[str, bool]) -> str:
     """The op's mode (``decide.mode``) for the share of the vocabulary each rank plans for,
-    on the example sizes (hints: a performance choice, no guard)."""
+    on the example sizes (hints: a performance choice, no guard; a symbolic row count as
+    ``decide.planned_rows`` plans it)."""
     _, sharding, _ = _ops()
     hidden, classifier = p.tensor_value(site.hidden), p.tensor_value(site.classifier)
     ranks = sharding.group_size(site.shard.group_name)
     problem = policy.problem(
-        p.size_hint(site.rows) or 1,
+        decide.planned_rows(p.size_hint(site.rows) or 1, isinstance(site.rows, torch.SymInt)),
         (decide.shard_vocab(site.shard.size, ranks), p.size_hint(classifier.shape[1]) or 1),
         site.compute_dtype,
         hidden.device.type,

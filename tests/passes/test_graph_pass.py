@@ -222,6 +222,23 @@ def test_dynamic_shapes_one_compile_for_new_sizes():
     assert outcome.rewritten >= 1 and not outcome.recompiled
 
 
+def test_a_symbolic_row_count_plans_the_mode_for_larger_calls():
+    """Eight rows of a 32768-class head leave no room for fast's chunks in the budget (lean);
+    a graph with symbolic sizes also runs the larger calls, where they fit (fast)."""
+    from cce_compile.op.signature import FORWARD
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 8, 16, generator=gen, requires_grad=True)
+    w = torch.randn(32768, 16, generator=gen, requires_grad=True)
+    y = torch.randint(0, 32768, (1, 8), generator=gen)
+    modes = {}
+    for dynamic in (False, True):
+        gm, _ = dynamo_graph(loss, (x, w, y), dynamic=dynamic)
+        run_pass(gm.graph)
+        modes[dynamic] = [n.args[FORWARD.index("mode")] for n in gm.graph.nodes if n.target is OP]
+    assert modes == {False: ["lean"], True: ["fast"]}
+
+
 def test_activation_checkpointing_subgraph():
     def checkpointed(x, w, y):
         return torch.utils.checkpoint.checkpoint(loss, x, w, y, use_reentrant=False)
