@@ -30,7 +30,11 @@ from bench import (  # noqa: E402
     save_results,
 )
 
-OURS = ("_lse_forward", "_logit_grad", "_chunk_softmax_grad", "_scale_cast")
+# Our Triton kernels: one per module of cce_compile/kernels, named _<module>_kernel (a fixed
+# list had missed the fused GEMM's _logits_exp_kernel and _scaled_exp_grad_kernel).
+KERNELS = pathlib.Path(__file__).resolve().parents[1] / "cce_compile" / "kernels"
+NOT_KERNELS = ("__init__", "common")
+OURS = tuple(f"_{p.stem}_kernel" for p in KERNELS.glob("*.py") if p.stem not in NOT_KERNELS)
 GEMM = ("gemm", "xmma", "cutlass", "nvjet", "sm90", "ampere_bf16", "cublas")
 
 
