@@ -20,10 +20,9 @@ DEMO_CACHE ?= $(HOME)/.cache/cce_compile
 # less for torch, and again for the test extras, on 2 cores. torch's layer (what its pip run
 # installed, listed in .torch-layer) is compiled while the next layer's pip runs, which mostly
 # waits on the package index and the disk (~5 s less again). As with pip, a file that does not
-# compile (a package's Python 2 test data) stays source only. The demo's extra is left to
-# Python to compile as the demo's plot imports it (~4 s: once, or each run where Python writes
-# no .pyc, PYTHONDONTWRITEBYTECODE), where compiling all of matplotlib, numpy, pillow and
-# fonttools took ~11 s; the test layer compiles it with the rest.
+# compile (a package's Python 2 test data) stays source only. The demo's layer is cce_compile
+# alone (the demo draws its figure as SVG with the standard library, so it needs no extra);
+# Python compiles our own modules as the demo imports them.
 PIP_INSTALL = $(PY) -m pip install --no-compile --progress-bar on
 BYTE_COMPILE_TORCH = ($(PY) -m compileall -qq -j 0 $$(cat $(VENV)/.torch-layer) || true)
 BYTE_COMPILE = $(PY) -m compileall -qq -j 0 $(VENV)/lib || true
@@ -37,13 +36,13 @@ $(VENV)/.installed-torch:
 	touch $@
 
 $(VENV)/.installed-demo: $(VENV)/.installed-torch pyproject.toml cce_compile_autoenable.pth
-	@echo "installing cce_compile and the demo's extra (matplotlib), byte-compiling torch meanwhile"
-	$(BYTE_COMPILE_TORCH) & $(PIP_INSTALL) -e ".[demo]" && wait
+	@echo "installing cce_compile (editable), byte-compiling torch meanwhile"
+	$(BYTE_COMPILE_TORCH) & $(PIP_INSTALL) -e . && wait
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed-torch pyproject.toml cce_compile_autoenable.pth
-	@echo "installing cce_compile with its test, demo and dev extras (transformers, peft, trl, ...), byte-compiling torch meanwhile"
-	$(BYTE_COMPILE_TORCH) & $(PIP_INSTALL) -e ".[test,demo,dev]" && wait
+	@echo "installing cce_compile with its test and dev extras (transformers, peft, trl, ...), byte-compiling torch meanwhile"
+	$(BYTE_COMPILE_TORCH) & $(PIP_INSTALL) -e ".[test,dev]" && wait
 	@echo "byte-compiling them"
 	$(BYTE_COMPILE)
 	@echo "installed into $(VENV)"

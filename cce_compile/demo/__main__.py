@@ -181,7 +181,7 @@ def _file_options(files) -> None:
         "--out",
         type=pathlib.Path,
         default=pathlib.Path("demo_out"),
-        help="where the results JSON and the PNG are written (default: ./demo_out)",
+        help="where the results JSON and the SVG picture are written (default: ./demo_out)",
     )
 
 
@@ -323,12 +323,9 @@ def _save(args: argparse.Namespace, cfg: RunConfig, comparison) -> int:
         "max_batch_limit": args.max_batch_limit if args.max_batch else None,
         "config": vars(model_cfg) | {"batch": cfg.batch, "steps": cfg.steps},
     }
-    png = report.save(args.out, meta, comparison)
+    picture = report.save(args.out, meta, comparison)
     print(f"\nWrote {args.out / f'demo_{args.arch}.json'}")
-    if png is None:
-        print("No picture: matplotlib is not installed (pip install matplotlib).")
-    else:
-        print(f"Picture: {png}")
+    print(f"Picture: {picture}")
     return 0
 
 

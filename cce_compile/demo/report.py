@@ -6,6 +6,7 @@ import json
 import pathlib
 import textwrap
 
+from . import svg
 from .train import WARM_STEPS, Comparison, RunResult, StepZero
 
 # Printed under the CPU run's table. It names what the CPU path is, not how fast it is, so that
@@ -212,9 +213,9 @@ def exactness_text(comparison: Comparison) -> str:
     return "\n".join(_paragraph(p) for p in paragraphs)
 
 
-def save(out_dir: pathlib.Path, meta: dict, comparison: Comparison) -> pathlib.Path | None:
-    """The results JSON and a PNG (loss curves, the runs' divergence, tokens/s and memory);
-    returns the PNG's path, or None without matplotlib."""
+def save(out_dir: pathlib.Path, meta: dict, comparison: Comparison) -> pathlib.Path:
+    """The results JSON and an SVG (loss curves, the runs' divergence, tokens/s and memory);
+    returns the SVG's path."""
     baseline, fused, control = comparison.baseline, comparison.fused, comparison.control
     out_dir.mkdir(parents=True, exist_ok=True)
     speed = comparison.speed
@@ -232,49 +233,81 @@ def save(out_dir: pathlib.Path, meta: dict, comparison: Comparison) -> pathlib.P
     }
     stem = f"demo_{meta['arch']}"
     (out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=1))
-    try:
-        import matplotlib
+    picture = out_dir / f"{stem}.svg"
+    picture.write_text(figure(meta, comparison))
+    return picture
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, (curves, drift, bars) = plt.subplots(1, 3, figsize=(15, 4), width_ratios=[2, 2, 1])
-    for run, style in ((baseline, "-"), (fused, "--")):
-        curves.plot(run.losses, style, label=run.name, linewidth=1.2)
-    curves.set_xlabel("step")
-    curves.set_ylabel("training loss (nats)")
-    curves.set_title(f"{meta['arch'].upper()} on the Python stdlib, V={meta['vocab']}")
-    curves.legend()
-    pairs = [("cce_compile", fused, "tab:blue")]
-    if control is not None:
-        pairs.append(("control (compile, 1 ulp)", control, "tab:orange"))
+
+# The figure's size in pixels; the panels' widths are in the ratio 2:2:1.
+FIGURE_WIDTH, FIGURE_HEIGHT = 1560, 420
+
+
+def figure(meta: dict, comparison: Comparison) -> str:
+    """Three panels as one SVG document: both runs' losses, their distance from
+    torch.compile's run (log scale), and tokens/s with peak memory."""
+    unit = FIGURE_WIDTH / 5
+    boxes = [
+        svg.Box(0, 0, 2 * unit, FIGURE_HEIGHT),
+        svg.Box(2 * unit, 0, 2 * unit, FIGURE_HEIGHT),
+        svg.Box(4 * unit, 0, unit, FIGURE_HEIGHT),
+    ]
+    panels = [
+        _loss_panel(boxes[0], meta, comparison),
+        _distance_panel(boxes[1], comparison),
+        _speed_panel(boxes[2], comparison),
+    ]
+    return svg.figure(FIGURE_WIDTH, FIGURE_HEIGHT, panels)
+
+
+def _loss_panel(box: svg.Box, meta: dict, comparison: Comparison) -> str:
+    baseline, fused = comparison.baseline, comparison.fused
+    series = [
+        svg.Series(baseline.name, baseline.losses, svg.COLORS["gray"]),
+        svg.Series(fused.name, fused.losses, svg.COLORS["blue"], style="dashed"),
+    ]
+    title = f"{meta['arch'].upper()} on the Python stdlib, V={meta['vocab']}"
+    return svg.line_panel(box, "losses", title, ("step", "training loss (nats)"), series)
+
+
+def _distance_panel(box: svg.Box, comparison: Comparison) -> str:
+    """Per step, |loss difference| (dots; a zero has no place on the log axis) and the weights'
+    distance (a line) from torch.compile's run, for cce_compile and the control."""
+    baseline = comparison.baseline
+    pairs = [("cce_compile", comparison.fused, svg.COLORS["blue"])]
+    if comparison.control is not None:
+        pairs.append(("control (compile, 1 ulp)", comparison.control, svg.COLORS["orange"]))
+    series = []
     for label, run, color in pairs:
         gaps = [abs(a - b) for a, b in zip(baseline.losses, run.losses)]
-        steps = [i for i, g in enumerate(gaps) if g > 0]
-        sizes = [gaps[i] for i in steps]
-        drift.semilogy(
-            steps, sizes, ".", color=color, label=f"{label}: |loss difference| (0: not drawn)"
+        series.append(
+            svg.Series(f"{label}: |loss difference| (0: not drawn)", gaps, color, style="dots")
         )
-        drift.semilogy(run.weight_distance, "-", color=color, label=f"{label}: weight distance")
-    drift.set_xlabel("step")
-    drift.set_title("distance from torch.compile's run")
-    drift.legend(fontsize=7)
-    names = [baseline.name, fused.name]
-    rates = [baseline.tokens_per_s / 1e3, fused.tokens_per_s / 1e3]
-    bars.bar([0, 1], rates, color=["tab:gray", "tab:blue"])
-    bars.set_xticks([0, 1], names)
-    bars.set_ylabel("thousand tokens/s (median step)")
+        series.append(svg.Series(f"{label}: weight distance", run.weight_distance, color))
+    title = "distance from torch.compile's run"
+    labels = ("step", "loss: nats; weights: relative L2")
+    return svg.line_panel(box, "distance", title, labels, series, log=True)
+
+
+def _speed_panel(box: svg.Box, comparison: Comparison) -> str:
+    """Tokens/s of both runs as bars, peak memory as points on the right axis; the title gives
+    the speed ratio and its quartiles."""
+    baseline, fused, speed = comparison.baseline, comparison.fused, comparison.speed
+    bars = [
+        (baseline.name, baseline.tokens_per_s / 1e3, svg.COLORS["gray"]),
+        (fused.name, fused.tokens_per_s / 1e3, svg.COLORS["blue"]),
+    ]
+    title = "tokens/s: not measured"
     if speed is not None:
         q1, q3 = speed.quartiles
-        bars.set_title(f"cce_compile: {speed.median:.2f}x (quartiles {q1:.2f}-{q3:.2f}x)")
-    if baseline.peak_memory_gb is not None:
-        memory = bars.twinx()
-        memory.plot([0, 1], [baseline.peak_memory_gb, fused.peak_memory_gb], "o", color="tab:red")
-        memory.set_ylabel("peak memory (GiB)", color="tab:red")
-        memory.set_ylim(bottom=0)
-    fig.tight_layout()
-    png = out_dir / f"{stem}.png"
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
+        title = f"cce_compile: {speed.median:.2f}x (quartiles {q1:.2f}-{q3:.2f}x)"
+    memory = None
+    if baseline.peak_memory_gb is not None and fused.peak_memory_gb is not None:
+        memory = svg.Series(
+            "peak memory (GiB)",
+            [baseline.peak_memory_gb, fused.peak_memory_gb],
+            svg.COLORS["red"],
+            style="dots",
+            radius=4,
+        )
+    ylabel = "thousand tokens/s (median step)"
+    return svg.bar_panel(box, "speed", title, ylabel, bars, memory)

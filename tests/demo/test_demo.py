@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import xml.etree.ElementTree as ET
 
 import pytest
 import torch
@@ -52,8 +53,8 @@ def test_demo_end_to_end(arch, mode, control, tmp_path, capsys, monkeypatch):
     assert "median of 2 blocks of 2 steps" in printed  # 6 steps, 2 of them warm-up
     assert "Exactness, step 0" in printed
     assert ("Control, torch.compile against itself" in printed) == control
-    png = tmp_path / "out" / f"demo_{arch}.png"
-    assert f"Picture: {png}" in printed and png.exists()
+    picture = tmp_path / "out" / f"demo_{arch}.svg"
+    assert f"Picture: {picture}" in printed
     # Interleaved: both runs every step, the order swapped each step; the control first.
     names = ["control"] if control else []
     for i in range(6):
@@ -73,10 +74,29 @@ def test_demo_end_to_end(arch, mode, control, tmp_path, capsys, monkeypatch):
     # Step 0: same weights, same batch: equal to rounding.
     zero = result["step_zero"]
     assert zero["loss_difference"] <= 4 * zero["loss_ulp"] and zero["grad_difference"] < 1e-5
+    _check_picture(picture, result, control)
     if control:
         assert result["control"]["rewritten_sites"] == 0
         assert len(result["control"]["weight_distance"]) == 6
         assert 0 < result["control_step_zero"]["grad_difference"] < 1e-4
+
+
+def _check_picture(picture, result, control) -> None:
+    """The SVG parses, and its curves and speed title are this run's (tests/demo/test_figure.py
+    checks the drawing itself)."""
+    root = ET.parse(picture).getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    panels = {g.get("id"): g for g in root.iter(f"{ns}g") if g.get("id")}
+    assert {"losses", "distance", "speed"} <= set(panels)
+    curves = {p.get("data-label"): p.get("d") for p in panels["losses"].iter(f"{ns}path")}
+    assert set(curves) == {"torch.compile", "cce_compile"}
+    assert all(d.count("M") == 1 and d.count("L") == 5 for d in curves.values())  # 6 steps
+    distance = [e for e in panels["distance"].iter() if e.get("class") == "series"]
+    assert len(distance) == (4 if control else 2)
+    speed = result["speed"]
+    q1, q3 = speed["quartiles"]
+    title = f"cce_compile: {speed['median']:.2f}x (quartiles {q1:.2f}-{q3:.2f}x)"
+    assert title in [t.text for t in panels["speed"].iter(f"{ns}text")]
 
 
 def _run_demo(arch, mode, control, tmp_path) -> int:
