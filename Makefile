@@ -69,8 +69,10 @@ test-gpu:
 	$(PYTHON) -m pytest -q -p no:cacheprovider -m gpu tests $(PYTEST_ARGS)
 	$(PYTHON) -m pytest -q -p no:cacheprovider $(GPU_KERNEL_TESTS) $(PYTEST_ARGS)
 
+# The demo's venv has no numpy (nothing of the demo uses it); torch says so at import with a
+# "Failed to initialize NumPy" warning, silenced here.
 demo: $(VENV)/.installed-demo
-	$(PY) -m cce_compile.demo $(DEMO_ARGS)
+	$(PY) -W "ignore:Failed to initialize NumPy:UserWarning" -m cce_compile.demo $(DEMO_ARGS)
 
 lint: install
 	$(PY) -m ruff check cce_compile tests bench examples
