@@ -146,6 +146,54 @@ def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float)
     assert err <= rtol, f"{name}: relative error {err:.3e} > {rtol:.1e} against eager"
 
 
+def _recording_backend(backend: str, graphs: list, frames: list):
+    """The backend ``check`` compiles with, recording each graph and call, and the context it
+    runs in: "hook" is Inductor with enable()'s pre-grad hook, the others ``_capturing``."""
+    if backend != "hook":
+        return _capturing(backend, graphs, frames), contextlib.nullcontext()
+
+    def recorder(gm, example_inputs):
+        frames.append(1)
+        graphs.append(gm)
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+
+    # With a uuid the pass runs "late" on torch 2.13: not at all on a cache hit (the cached
+    # artifact already holds the op). Caches off, so that counters see every compile;
+    # test_backend.py checks the cache-hit path itself.
+    context = contextlib.ExitStack()
+    context.enter_context(hook_enabled())
+    context.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
+    context.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+    return recorder, context
+
+
+def _compare_call(fn, compiled, call_args, parameters, backward_all, rtol, dropped_logits) -> int:
+    """One call of ``fn`` eagerly and compiled: outputs and gradients compared (a dropped
+    logits output by shape and dtype only); returns how many gradients are present."""
+    leaves = _grad_leaves(fn, call_args, parameters)
+    want, want_grads = run_and_grad(fn, call_args, leaves, backward_all)
+    got, got_grads = run_and_grad(compiled, call_args, leaves, backward_all)
+    present = sum(g is not None for g in got_grads)
+    assert len(got) == len(want)
+    dropped = 0
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g.device.type == "meta" and w.device.type != "meta":
+            assert dropped_logits, f"output {i} is a meta tensor"
+            assert (g.shape, g.dtype) == (w.shape, w.dtype), f"output {i}: {g} vs {w}"
+            dropped += 1
+        else:
+            _assert_close(f"output {i}", g, w, rtol)
+    assert dropped or not dropped_logits, "no output was dropped"
+    assert len(got_grads) == len(want_grads)
+    for i, (g, w) in enumerate(zip(got_grads, want_grads)):
+        assert (g is None) == (w is None), f"gradient {i}: {g} vs eager {w}"
+        if g is not None:
+            _assert_close(f"gradient {i}", g, w, rtol)
+    return present
+
+
 def check(
     fn: Callable,
     args: tuple,
@@ -178,26 +226,7 @@ def check(
     tracing.install()  # what importing the cce backend does
     ddp_split.install()
     graphs, frames = [], []
-    if backend == "hook":
-
-        def recorder(gm, example_inputs):
-            frames.append(1)
-            graphs.append(gm)
-            from torch._inductor.compile_fx import compile_fx
-
-            return compile_fx(gm, example_inputs)
-
-        # With a uuid the pass runs "late" on torch 2.13: not at all on a cache hit (the cached
-        # artifact already holds the op). Caches off, so that counters see every compile;
-        # test_backend.py checks the cache-hit path itself.
-        context = contextlib.ExitStack()
-        context.enter_context(hook_enabled())
-        context.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
-        context.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
-        compiled_backend = recorder
-    else:
-        compiled_backend = _capturing(backend, graphs, frames)
-        context = contextlib.nullcontext()
+    compiled_backend, context = _recording_backend(backend, graphs, frames)
     with context:
         compiled = torch.compile(
             fn, backend=compiled_backend, dynamic=dynamic, fullgraph=fullgraph, **compile_kwargs
@@ -205,27 +234,11 @@ def check(
         first_frames = None
         gradients = None
         for call_args in (args, *extra_calls):
-            leaves = _grad_leaves(fn, call_args, parameters)
-            want, want_grads = run_and_grad(fn, call_args, leaves, backward_all)
-            got, got_grads = run_and_grad(compiled, call_args, leaves, backward_all)
-            first_frames = len(frames) if first_frames is None else first_frames
-            if gradients is None:
-                gradients = sum(g is not None for g in got_grads)
-            assert len(got) == len(want)
-            dropped = 0
-            for i, (g, w) in enumerate(zip(got, want)):
-                if g.device.type == "meta" and w.device.type != "meta":
-                    assert dropped_logits, f"output {i} is a meta tensor"
-                    assert (g.shape, g.dtype) == (w.shape, w.dtype), f"output {i}: {g} vs {w}"
-                    dropped += 1
-                else:
-                    _assert_close(f"output {i}", g, w, rtol)
-            assert dropped or not dropped_logits, "no output was dropped"
-            assert len(got_grads) == len(want_grads)
-            for i, (g, w) in enumerate(zip(got_grads, want_grads)):
-                assert (g is None) == (w is None), f"gradient {i}: {g} vs eager {w}"
-                if g is not None:
-                    _assert_close(f"gradient {i}", g, w, rtol)
+            present = _compare_call(
+                fn, compiled, call_args, parameters, backward_all, rtol, dropped_logits
+            )
+            if first_frames is None:
+                first_frames, gradients = len(frames), present
     stats = dict(counters["cce_compile"])
     skipped = {k.split(":", 1)[1]: v for k, v in stats.items() if k.startswith("skipped:")}
     return Outcome(

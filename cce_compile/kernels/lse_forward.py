@@ -16,6 +16,8 @@ blocks' hidden and one classifier tile resident); output is 4 bytes per row per 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -250,64 +252,132 @@ def lse_forward(
     bias, class_weights, classifier = check_operands(
         hidden, classifier, targets, bias, class_weights, shift
     )
-    vocab, dim = classifier.shape
+    vocab = classifier.shape[0]
     layout = row_layout(hidden, shift)
-    n_rows = layout.n_rows
-    blocks_v = partial_blocks(vocab, config)
-    device = hidden.device
+    shape = (partial_blocks(vocab, config), layout.n_rows)
+    outputs = _outputs(out, shape, needs_wsum, hidden.device, entropy_out, argmax_out, lse_2z_out)
+    if layout.n_rows and vocab:
+        # An ignore_index that no target can equal ignores no row (loss_math.valid_rows): no
+        # tile may be skipped then, whatever the kernel's comparison of targets with it gives.
+        skip = skip_ignored_tiles and targets_can_equal(targets, ignore_index)
+        _launch(
+            layout,
+            classifier,
+            targets,
+            bias,
+            class_weights,
+            outputs,
+            config,
+            shift=shift,
+            ignore_index=ignore_index,
+            col_start=col_start,
+            logit_scale=logit_scale,
+            softcap=softcap,
+            skip_ignored_tiles=skip,
+            needs_wsum=needs_wsum,
+            hidden=hidden,
+        )
+    return outputs.partial_lse, outputs.target_logit, outputs.partial_wsum
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outputs:
+    """What one launch writes, each (vocab_blocks, N) float32 but ``target_logit`` (N,) and
+    ``argmax`` int32; None: not asked for."""
+
+    partial_lse: torch.Tensor
+    target_logit: torch.Tensor
+    partial_wsum: torch.Tensor | None
+    entropy: torch.Tensor | None
+    max: torch.Tensor | None
+    argmax: torch.Tensor | None
+    lse_2z: torch.Tensor | None
+
+    def pointers(self) -> tuple[torch.Tensor, ...]:
+        """The kernel's output arguments in its order. partial_lse stands in for an absent one:
+        the kernel's flags (NEEDS_WSUM, NEEDS_ENTROPY, ...) keep it from touching that one."""
+
+        def given(t: torch.Tensor | None) -> torch.Tensor:
+            return self.partial_lse if t is None else t
+
+        return (
+            self.partial_lse,
+            given(self.partial_wsum),
+            self.target_logit,
+            given(self.entropy),
+            given(self.max),
+            given(self.argmax),
+            given(self.lse_2z),
+        )
+
+
+def _outputs(out, shape, needs_wsum, device, entropy_out, argmax_out, lse_2z_out) -> _Outputs:
+    """``out``'s buffers (checked) or new ones, and the row metrics' (checked): each
+    contiguous, of ``shape`` (vocab_blocks, N) but the target logits (N,)."""
+    n_rows = shape[1]
     if out is None:
-        partial_lse = torch.empty((blocks_v, n_rows), dtype=torch.float32, device=device)
+        partial_lse = torch.empty(shape, dtype=torch.float32, device=device)
         partial_wsum = (
-            torch.empty((blocks_v, n_rows), dtype=torch.float32, device=device)
-            if needs_wsum
-            else None
+            torch.empty(shape, dtype=torch.float32, device=device) if needs_wsum else None
         )
         target_logit = torch.zeros(n_rows, dtype=torch.float32, device=device)
     else:
         partial_lse, target_logit, partial_wsum = out
-        for name, t, shape in (
-            ("partial_lse", partial_lse, (blocks_v, n_rows)),
+        for name, t, want in (
+            ("partial_lse", partial_lse, shape),
             ("target_logit", target_logit, (n_rows,)),
-            ("partial_wsum", partial_wsum, (blocks_v, n_rows) if needs_wsum else None),
+            ("partial_wsum", partial_wsum, shape if needs_wsum else None),
         ):
-            if shape is not None and (
-                t is None or tuple(t.shape) != shape or not t.is_contiguous()
-            ):
-                raise ValueError(f"out {name} must be contiguous float32 {shape}")
+            if want is not None and (t is None or tuple(t.shape) != want or not t.is_contiguous()):
+                raise ValueError(f"out {name} must be contiguous float32 {want}")
+    row_max, row_argmax = (None, None) if argmax_out is None else argmax_out
     for name, t, dtype in (
         ("entropy_out", entropy_out, torch.float32),
-        ("argmax_out max", None if argmax_out is None else argmax_out[0], torch.float32),
-        ("argmax_out index", None if argmax_out is None else argmax_out[1], torch.int32),
+        ("argmax_out max", row_max, torch.float32),
+        ("argmax_out index", row_argmax, torch.int32),
         ("lse_2z_out", lse_2z_out, torch.float32),
     ):
-        if t is not None and (
-            tuple(t.shape) != (blocks_v, n_rows) or t.dtype != dtype or not t.is_contiguous()
-        ):
-            raise ValueError(f"{name} must be contiguous {dtype} {(blocks_v, n_rows)}")
-    if n_rows == 0 or vocab == 0:
-        return partial_lse, target_logit, partial_wsum
+        if t is not None and (tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous()):
+            raise ValueError(f"{name} must be contiguous {dtype} {shape}")
+    return _Outputs(
+        partial_lse, target_logit, partial_wsum, entropy_out, row_max, row_argmax, lse_2z_out
+    )
+
+
+def _launch(
+    layout,
+    classifier: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weights: torch.Tensor | None,
+    outputs: _Outputs,
+    config: TileConfig,
+    *,
+    shift: int,
+    ignore_index: int,
+    col_start: int,
+    logit_scale: float,
+    softcap: float,
+    skip_ignored_tiles: bool,
+    needs_wsum: bool,
+    hidden: torch.Tensor,
+) -> None:
+    """``_lse_forward_kernel`` on every tile of rows x classes (at least one of each), its
+    flags derived from which operands and outputs are given; ``lse_forward``'s arguments."""
+    vocab, dim = classifier.shape
     hidden_arg, classifier_arg, use_tma = operand_args(layout, classifier, config)
     grid = launch_grid(layout.n_positions, vocab, config, config.tiles_per_program)
-    # An ignore_index that no target can equal ignores no row (loss_math.valid_rows): no tile
-    # may be skipped then, whatever the kernel's comparison of targets with it would give.
-    skip_ignored_tiles = skip_ignored_tiles and targets_can_equal(targets, ignore_index)
     _lse_forward_kernel[grid](
         hidden_arg,
         classifier_arg,
         bias if bias is not None else classifier,
         class_weights if class_weights is not None else classifier,
         targets,
-        partial_lse,
-        partial_wsum if partial_wsum is not None else partial_lse,
-        target_logit,
-        entropy_out if entropy_out is not None else partial_lse,
-        argmax_out[0] if argmax_out is not None else partial_lse,
-        argmax_out[1] if argmax_out is not None else partial_lse,
-        lse_2z_out if lse_2z_out is not None else partial_lse,
+        *outputs.pointers(),
         layout.n_positions,
         layout.seq_stride,
         layout.rows_per_seq,
-        n_rows,
+        layout.n_rows,
         vocab,
         dim,
         shift,
@@ -320,13 +390,12 @@ def lse_forward(
         *targets.stride(),
         HAS_WEIGHTS=class_weights is not None,
         NEEDS_WSUM=needs_wsum,
-        NEEDS_ENTROPY=entropy_out is not None,
-        NEEDS_ARGMAX=argmax_out is not None,
-        NEEDS_LSE_2Z=lse_2z_out is not None,
+        NEEDS_ENTROPY=outputs.entropy is not None,
+        NEEDS_ARGMAX=outputs.argmax is not None,
+        NEEDS_LSE_2Z=outputs.lse_2z is not None,
         SKIP_IGNORED=skip_ignored_tiles,
         TILES=config.tiles_per_program,
         **gemm_launch_options(
             config, hidden, use_tma=use_tma, has_bias=bias is not None, softcap=softcap
         ),
     )
-    return partial_lse, target_logit, partial_wsum

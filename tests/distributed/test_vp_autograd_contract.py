@@ -55,105 +55,142 @@ def _vocab_parallel_embedding(tokens, shard, start: int, group):
     return _SumOverShards.apply(rows * inside[..., None], group)
 
 
-def run_contract_case(name: str, rank: int, world: int, mesh) -> dict:
-    """One ``CONTRACT_CASES`` case on this rank: each gradient's relative error against the
-    float64 oracle's (this rank's rows of the classifier's), the hooks' calls, and the
-    backward's collectives with those expected (hidden's reduction once per loss backward)."""
-    from cce_compile.distributed import vocab_parallel_cross_entropy
+@dataclasses.dataclass
+class _ContractRun:
+    """One case's state on this rank: the oracle's case, this rank's classifier shard, and
+    what the flow records (gradient errors, the loss calls whose backward reduces hidden's
+    gradient, the collectives each backward sent)."""
 
-    flow, mode = CONTRACT_CASES[name]
-    case = build_case(leading=(2, 6), dim=16, vocab=VOCAB, seed=3, ignored_fraction=0.3)
-    start, rows = shard_of(VOCAB, rank, world)
-    shard = case.classifier[start : start + rows].clone().requires_grad_()
-    group = mesh.get_group()
+    case: object  # strategies.build_case's
+    shard: torch.Tensor  # rows start..start + rows of the classifier, a leaf
+    start: int
+    rows: int
+    group: object
+    mode: str
+    errors: dict = dataclasses.field(default_factory=dict)
+    calls: list = dataclasses.field(default_factory=list)
+    collectives: list = dataclasses.field(default_factory=list)
 
-    def loss(hidden, targets):
-        return vocab_parallel_cross_entropy(hidden, shard, targets, vocab_start=start,
-                                            vocab_size=VOCAB, group=group, mode=mode)  # fmt: skip
+    def loss(self, hidden, targets):
+        from cce_compile.distributed import vocab_parallel_cross_entropy
 
-    def oracle_grads(hidden, targets, upstream, tokens=None):
+        return vocab_parallel_cross_entropy(
+            hidden, self.shard, targets, vocab_start=self.start, vocab_size=VOCAB,
+            group=self.group, mode=self.mode,
+        )  # fmt: skip
+
+    def oracle_grads(self, hidden, targets, upstream, tokens=None):
         """(hidden's, the classifier's) float64 gradients of ``oracle * upstream``; with
         ``tokens`` hidden is 2 x the classifier's embedding of them (no hidden gradient)."""
-        c = case.classifier.double().requires_grad_()
+        c = self.case.classifier.double().requires_grad_()
         if tokens is None:
             h = hidden.double().requires_grad_()
         else:
             h = torch.nn.functional.embedding(tokens, c) * 2.0
-        total = oracle(dataclasses.replace(case, hidden=h, classifier=c, targets=targets))
+        total = oracle(dataclasses.replace(self.case, hidden=h, classifier=c, targets=targets))
         leaves = [c] if tokens is not None else [h, c]
         grads = torch.autograd.grad(total * upstream, leaves)
         return (None, *grads) if tokens is not None else grads
 
-    errors = {}
+    def mine(self, classifier_grad: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a gradient of the whole classifier."""
+        return classifier_grad[self.start : self.start + self.rows]
 
-    def compare(label, got, want):
+    def compare(self, label, got, want):
         if got is None:
-            errors[label] = (float("inf"), 0.0)
+            self.errors[label] = (float("inf"), 0.0)
             return
-        errors[label] = (rel_error(got, want), GRAD_RTOL[torch.float32])
-        errors[f"{label}_dtype"] = (float(got.dtype != torch.float32), 0.0)
+        self.errors[label] = (rel_error(got, want), GRAD_RTOL[torch.float32])
+        self.errors[f"{label}_dtype"] = (float(got.dtype != torch.float32), 0.0)
 
-    calls = []  # the case of each loss call whose backward reduces hidden's gradient
-    collectives = []  # what each backward sent
-
-    def backward(total):
+    def backward(self, total):
         with traced() as trace:
             total.backward()
-        collectives.extend(c.key for c in trace.collectives)
+        self.collectives.extend(c.key for c in trace.collectives)
 
-    if flow == "tied_embeddings":  # the shard is also the input embedding's
-        tokens = case.targets.clamp(min=0)
-        hidden = _vocab_parallel_embedding(tokens, shard, start, group) * 2.0
-        out = loss(hidden, case.targets)
-        calls.append(case)
-        backward(out * UPSTREAM)
-        want = oracle_grads(None, case.targets, UPSTREAM, tokens=tokens)[1]
-        compare("grad_classifier", shard.grad, want[start : start + rows])
-    elif flow == "one_classifier_in_two_losses":
-        other = build_case(leading=(2, 6), dim=16, vocab=VOCAB, seed=4, ignored_fraction=0.3)
-        hidden = case.hidden.clone().requires_grad_()
-        other_hidden = other.hidden.clone().requires_grad_()
-        total = loss(hidden, case.targets) + 0.5 * loss(other_hidden, other.targets)
-        calls += [case, other]
-        backward(total)
-        want_h, want_c = oracle_grads(case.hidden, case.targets, 1.0)
-        other_h, other_c = oracle_grads(other.hidden, other.targets, 0.5)
-        compare("grad_hidden", hidden.grad, want_h)
-        compare("grad_other_hidden", other_hidden.grad, other_h)
-        compare("grad_classifier", shard.grad, (want_c + other_c)[start : start + rows])
-    else:  # hooks, over two micro-batches: the second's gradient adds into .grad
-        seen, replaced, accumulated = [], [], []
-        shard.register_hook(lambda grad: seen.append(grad.detach().clone()))  # sees (None)
 
-        def replace(grad):
-            replaced.append(grad.detach().clone())
-            return grad * 2
+def _tied_embeddings(run: _ContractRun) -> None:
+    """The shard is also the input embedding's: its gradient sums the loss's and the
+    embedding's."""
+    case = run.case
+    tokens = case.targets.clamp(min=0)
+    hidden = _vocab_parallel_embedding(tokens, run.shard, run.start, run.group) * 2.0
+    out = run.loss(hidden, case.targets)
+    run.calls.append(case)
+    run.backward(out * UPSTREAM)
+    want = run.oracle_grads(None, case.targets, UPSTREAM, tokens=tokens)[1]
+    run.compare("grad_classifier", run.shard.grad, run.mine(want))
 
-        shard.register_hook(replace)
-        shard.register_post_accumulate_grad_hook(
-            lambda param: accumulated.append(param.grad.detach().clone())
-        )
-        hidden = case.hidden.clone().requires_grad_()
-        batches = [case.targets, case.targets.roll(1, dims=1)]
-        for targets in batches:
-            backward(loss(hidden, targets) * UPSTREAM)
-            calls.append(dataclasses.replace(case, targets=targets))
-        wants = [oracle_grads(case.hidden, targets, UPSTREAM) for targets in batches]
-        mine = [want_c[start : start + rows] for _, want_c in wants]
-        counts = [len(seen), len(replaced), len(accumulated)]
-        errors["hook_calls"] = (float(counts != [2, 2, 2]), 0.0)
-        for i, want_c in enumerate(mine[: min(counts)]):
-            compare(f"seen_by_hook_{i}", seen[i], want_c)
-            compare(f"replaced_by_hook_{i}", replaced[i], want_c)
-        if min(counts) == 2:  # the replaced gradients, accumulated in .grad
-            compare("post_accumulate_0", accumulated[0], 2 * mine[0])
-            compare("post_accumulate_1", accumulated[1], 2 * (mine[0] + mine[1]))
-        compare("grad_classifier", shard.grad, 2 * (mine[0] + mine[1]))
-        compare("grad_hidden", hidden.grad, wants[0][0] + wants[1][0])
-    expected = [expected_collectives(c, dict(mode=mode), world)["backward"] for c in calls]
+
+def _one_classifier_in_two_losses(run: _ContractRun) -> None:
+    case = run.case
+    other = build_case(leading=(2, 6), dim=16, vocab=VOCAB, seed=4, ignored_fraction=0.3)
+    hidden = case.hidden.clone().requires_grad_()
+    other_hidden = other.hidden.clone().requires_grad_()
+    total = run.loss(hidden, case.targets) + 0.5 * run.loss(other_hidden, other.targets)
+    run.calls += [case, other]
+    run.backward(total)
+    want_h, want_c = run.oracle_grads(case.hidden, case.targets, 1.0)
+    other_h, other_c = run.oracle_grads(other.hidden, other.targets, 0.5)
+    run.compare("grad_hidden", hidden.grad, want_h)
+    run.compare("grad_other_hidden", other_hidden.grad, other_h)
+    run.compare("grad_classifier", run.shard.grad, run.mine(want_c + other_c))
+
+
+def _hooks_on_the_classifier(run: _ContractRun) -> None:
+    """Hooks over two micro-batches: the second's gradient adds into .grad."""
+    case, shard = run.case, run.shard
+    seen, replaced, accumulated = [], [], []
+    shard.register_hook(lambda grad: seen.append(grad.detach().clone()))  # sees (None)
+
+    def replace(grad):
+        replaced.append(grad.detach().clone())
+        return grad * 2
+
+    shard.register_hook(replace)
+    shard.register_post_accumulate_grad_hook(
+        lambda param: accumulated.append(param.grad.detach().clone())
+    )
+    hidden = case.hidden.clone().requires_grad_()
+    batches = [case.targets, case.targets.roll(1, dims=1)]
+    for targets in batches:
+        run.backward(run.loss(hidden, targets) * UPSTREAM)
+        run.calls.append(dataclasses.replace(case, targets=targets))
+    wants = [run.oracle_grads(case.hidden, targets, UPSTREAM) for targets in batches]
+    mine = [run.mine(want_c) for _, want_c in wants]
+    counts = [len(seen), len(replaced), len(accumulated)]
+    run.errors["hook_calls"] = (float(counts != [2, 2, 2]), 0.0)
+    for i, want_c in enumerate(mine[: min(counts)]):
+        run.compare(f"seen_by_hook_{i}", seen[i], want_c)
+        run.compare(f"replaced_by_hook_{i}", replaced[i], want_c)
+    if min(counts) == 2:  # the replaced gradients, accumulated in .grad
+        run.compare("post_accumulate_0", accumulated[0], 2 * mine[0])
+        run.compare("post_accumulate_1", accumulated[1], 2 * (mine[0] + mine[1]))
+    run.compare("grad_classifier", shard.grad, 2 * (mine[0] + mine[1]))
+    run.compare("grad_hidden", hidden.grad, wants[0][0] + wants[1][0])
+
+
+CONTRACT_FLOW_RUNS = {
+    "tied_embeddings": _tied_embeddings,
+    "one_classifier_in_two_losses": _one_classifier_in_two_losses,
+    "hooks_on_the_classifier": _hooks_on_the_classifier,
+}
+
+
+def run_contract_case(name: str, rank: int, world: int, mesh) -> dict:
+    """One ``CONTRACT_CASES`` case on this rank: each gradient's relative error against the
+    float64 oracle's (this rank's rows of the classifier's), the hooks' calls, and the
+    backward's collectives with those expected (hidden's reduction once per loss backward)."""
+    flow, mode = CONTRACT_CASES[name]
+    case = build_case(leading=(2, 6), dim=16, vocab=VOCAB, seed=3, ignored_fraction=0.3)
+    start, rows = shard_of(VOCAB, rank, world)
+    shard = case.classifier[start : start + rows].clone().requires_grad_()
+    run = _ContractRun(case, shard, start, rows, mesh.get_group(), mode)
+    CONTRACT_FLOW_RUNS[flow](run)
+    expected = [expected_collectives(c, dict(mode=mode), world)["backward"] for c in run.calls]
     return dict(
-        errors=errors,
-        backward=collectives,
+        errors=run.errors,
+        backward=run.collectives,
         expected_backward=[key for keys in expected for key in keys],
     )
 
