@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from fresh_process import run_in_forks
 from harness import check
 
 import cce_compile
@@ -286,17 +287,38 @@ ROUTES = {
 }
 
 
-def _python(code: str, **environ: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CCE_")} | environ
-    return subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
+BAD_SETTING = {"CCE_MODE": "turbo"}
+ROUTE_SETUP = "import torch\nx, w, y = torch.randn(4, 8), torch.randn(11, 8), torch.arange(4)\n"
+# The bad setting caught where enable() raises it, then an unrelated error nothing catches.
+CAUGHT_THEN_OTHER_ERROR = textwrap.dedent(
+    """
+    import cce_compile
+    try:
+        cce_compile.enable()
+    except ValueError as error:  # a SettingsError is still a ValueError to catch
+        print(error)
+    raise KeyError('unrelated')
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def bad_setting_runs() -> dict[str, subprocess.CompletedProcess]:
+    """Each route's script, and CAUGHT_THEN_OTHER_ERROR, as a fresh Python under CCE_MODE=turbo
+    runs it: forks of one Python that imported torch, Dynamo and Inductor (what the compiling
+    routes import: ~6 s of CPU in each fresh Python; each fork takes 2-4 s, its exit included)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CCE_")} | BAD_SETTING
+    names = [*ROUTES, "caught then other error"]
+    scripts = [ROUTE_SETUP + code for code in ROUTES.values()] + [CAUGHT_THEN_OTHER_ERROR]
+    preload = ("torch", "torch._dynamo", "torch._inductor.compile_fx")
+    return dict(zip(names, run_in_forks(scripts, env, preload=preload, timeout=300)))
 
 
 @pytest.mark.parametrize("route", list(ROUTES))
-def test_a_bad_environment_setting_ends_the_program_in_one_line_on_every_route(route):
-    setup = "import torch\nx, w, y = torch.randn(4, 8), torch.randn(11, 8), torch.arange(4)\n"
-    result = _python(setup + ROUTES[route], CCE_MODE="turbo")
+def test_a_bad_environment_setting_ends_the_program_in_one_line_on_every_route(
+    route, bad_setting_runs
+):
+    result = bad_setting_runs[route]
     assert result.returncode == 1, result.stderr
     assert result.stderr.splitlines() == [
         "cce_compile.config.SettingsError: CCE_MODE='turbo' is not one of auto, lean, fast "
@@ -304,20 +326,10 @@ def test_a_bad_environment_setting_ends_the_program_in_one_line_on_every_route(r
     ], result.stderr
 
 
-def test_other_errors_keep_their_traceback_under_a_bad_setting():
-    """One process (each costs seconds): the bad setting, caught where it is raised, then an
-    unrelated error that nothing catches."""
-    script = textwrap.dedent(
-        """
-        import cce_compile
-        try:
-            cce_compile.enable()
-        except ValueError as error:  # a SettingsError is still a ValueError to catch
-            print(error)
-        raise KeyError('unrelated')
-        """
-    )
-    result = _python(script, CCE_MODE="turbo")
+def test_other_errors_keep_their_traceback_under_a_bad_setting(bad_setting_runs):
+    """The bad setting, caught where it is raised, then an unrelated error that nothing
+    catches."""
+    result = bad_setting_runs["caught then other error"]
     assert result.stdout.startswith("CCE_MODE='turbo'"), result.stderr
     assert result.returncode == 1 and result.stderr.startswith("Traceback"), result.stderr
     assert result.stderr.splitlines()[-1] == "KeyError: 'unrelated'"
