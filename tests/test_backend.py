@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -93,6 +92,9 @@ def test_explain_with_the_pass_disabled_reports_the_match_as_kept():
     assert "fix: unset CCE_DISABLE" in str(report) and report.saved_bytes == 0
 
 
+# What a fresh Python that compiles imports first (~6 s of CPU): the scripts that need a fresh
+# Python run as forks of one that imported these (fresh_process.run_in_forks).
+COMPILER = ("torch", "torch._dynamo", "torch._inductor.compile_fx")
 CACHE_SCRIPT = textwrap.dedent(
     """
     import torch, torch.nn.functional as F
@@ -124,14 +126,9 @@ CACHE_SCRIPT = textwrap.dedent(
 def test_graph_cache_hit_after_restart_still_runs_the_op(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CCE_")}
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "cache")
-    script = tmp_path / "cached.py"
-    script.write_text(CACHE_SCRIPT)
-    runs = [
-        subprocess.run(
-            [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
-        )
-        for _ in range(2)
-    ]
+    # Two fresh programs, one after the other, forked from one Python that imported the compiler
+    # and compiled nothing.
+    runs = run_in_forks([CACHE_SCRIPT] * 2, env, preload=COMPILER, timeout=600)
     for run in runs:
         assert run.returncode == 0, run.stderr[-3000:]
     first, second = (run.stdout.split() for run in runs)
@@ -305,13 +302,12 @@ CAUGHT_THEN_OTHER_ERROR = textwrap.dedent(
 @pytest.fixture(scope="module")
 def bad_setting_runs() -> dict[str, subprocess.CompletedProcess]:
     """Each route's script, and CAUGHT_THEN_OTHER_ERROR, as a fresh Python under CCE_MODE=turbo
-    runs it: forks of one Python that imported torch, Dynamo and Inductor (what the compiling
-    routes import: ~6 s of CPU in each fresh Python; each fork takes 2-4 s, its exit included)."""
+    runs it: forks of one Python that imported the COMPILER (what the compiling routes import;
+    each fork then takes 2-4 s of CPU, its exit included)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CCE_")} | BAD_SETTING
     names = [*ROUTES, "caught then other error"]
     scripts = [ROUTE_SETUP + code for code in ROUTES.values()] + [CAUGHT_THEN_OTHER_ERROR]
-    preload = ("torch", "torch._dynamo", "torch._inductor.compile_fx")
-    return dict(zip(names, run_in_forks(scripts, env, preload=preload, timeout=300)))
+    return dict(zip(names, run_in_forks(scripts, env, preload=COMPILER, timeout=300)))
 
 
 @pytest.mark.parametrize("route", list(ROUTES))
