@@ -353,15 +353,21 @@ def shard_vocab(vocab_size: int, ranks: int) -> int:
     return -(-vocab_size // max(ranks, 1))
 
 
-def planned_rows(rows_hint: int, symbolic: bool) -> int:
+def planned_rows(rows_hint: int, symbolic: bool, upper_bound: int | None = None) -> int:
     """The rows a compiled call's mode is chosen for: its example's, or, where the graph's row
-    count is symbolic (one graph for every size), at least ``policy.SYMBOLIC_PLAN_ROWS``. The
-    fractional budget grows with the rows, so a graph first traced on a small batch would keep
-    that batch's mode (lean, where fast's chunks do not fit yet) at every larger size. An
-    absolute budget (CCE_MEMORY_BUDGET_MB) does not grow: there the example stands."""
+    count is symbolic (one graph for every size), up to ``policy.SYMBOLIC_PLAN_ROWS``, at most
+    ``policy.SYMBOLIC_PLAN_GROWTH`` times the example and at most ``upper_bound`` (the
+    largest size the graph admits: ``mark_dynamic``'s max). The fractional budget grows with
+    the rows, so a graph first traced on a small batch would keep that batch's mode (lean,
+    where fast's chunks do not fit yet) at every larger size; planned far above its example, a
+    small call would run fast's fixed buffers and floor chunk at many times its own budget.
+    An absolute budget (CCE_MEMORY_BUDGET_MB) does not grow: there the example stands."""
     if not symbolic or config.get().memory_budget_mb is not None:
         return rows_hint
-    return max(rows_hint, policy.SYMBOLIC_PLAN_ROWS)
+    plan = min(policy.SYMBOLIC_PLAN_ROWS, rows_hint * policy.SYMBOLIC_PLAN_GROWTH)
+    if upper_bound is not None:
+        plan = min(plan, upper_bound)
+    return max(rows_hint, plan)
 
 
 def budget_bytes(problem: policy.Problem, vocab_parallel: bool = False) -> int:

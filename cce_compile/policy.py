@@ -29,7 +29,7 @@ gradients it returns):
 * auto: fast when it is valid (scalar loss, gradients wanted, no gradient of the returned lse)
   and a chunk of at least ``fast_floor_rows`` rows, or all rows, fits; else lean. A fast run
   keeps at least that floor (``fast_run_rows``). A compiled graph with a symbolic row count
-  plans its mode for at least ``SYMBOLIC_PLAN_ROWS`` rows (``decide.planned_rows``).
+  plans its mode for up to ``SYMBOLIC_PLAN_ROWS`` rows (``decide.planned_rows``).
 * CPU path: chunks of rows of float32 temporaries (3 x V x 4 bytes per row) within the budget.
 
 Why a floor (``fast_floor_rows``): each fast chunk re-reads and re-writes the classifier's
@@ -87,10 +87,13 @@ FUSED_TILE_MIN_CLASSES = 128
 # vocabulary's, so twice the fraction keeps the op near the same share of its baseline's memory,
 # with half the chunks, each ~0.5 ms of fixed cost at 8k tokens (bench/results/distributed.md).
 VOCAB_PARALLEL_BUDGET_SCALE = 2.0
-# The rows a compiled graph with a symbolic row count plans its mode for (at least;
-# ``decide.planned_rows``): enough that fast's chunks fit the fractional budget wherever they
-# fit a large call (V >= ~6 D under AMP), as the graph also runs the large ones.
+# The rows a compiled graph with a symbolic row count plans its mode for (``decide.planned_rows``):
+# enough that fast's chunks fit the fractional budget wherever they fit a large call (V >= ~6 D
+# under AMP), as the graph also runs the large ones; but at most SYMBOLIC_PLAN_GROWTH times
+# its example's rows, around which its calls mostly are (Dynamo makes a graph dynamic at its
+# second size), so that small calls do not run fast's fixed buffers far over their budget.
 SYMBOLIC_PLAN_ROWS = 1 << 16
+SYMBOLIC_PLAN_GROWTH = 16
 # The smallest budget: tiny problems (tests, the CPU demo's first steps) still get chunks of
 # useful size.
 MIN_BUDGET = 1 << 20

@@ -173,10 +173,12 @@ def test_mode_explicit_fast_without_a_scalar_loss_is_an_error_and_filtering_take
         assert decide.mode(None, problem, grad_filter=None, reduction="none", **call) == "lean"
 
 
-@pytest.mark.parametrize("hint", [8, policy.SYMBOLIC_PLAN_ROWS * 3])
-def test_planned_rows_plans_a_symbolic_count_for_large_calls_under_a_fractional_budget(hint):
+@pytest.mark.parametrize("hint", [8, 4096, policy.SYMBOLIC_PLAN_ROWS * 3], ids=str)
+def test_planned_rows_plans_a_symbolic_count_for_larger_calls_under_a_fractional_budget(hint):
+    grown = max(hint, min(policy.SYMBOLIC_PLAN_ROWS, hint * policy.SYMBOLIC_PLAN_GROWTH))
     assert decide.planned_rows(hint, symbolic=False) == hint
-    assert decide.planned_rows(hint, symbolic=True) == max(hint, policy.SYMBOLIC_PLAN_ROWS)
+    assert decide.planned_rows(hint, symbolic=True) == grown
+    assert decide.planned_rows(hint, symbolic=True, upper_bound=hint + 1) == min(grown, hint + 1)
     with config.override(memory_budget_mb=64):  # an absolute budget does not grow: the hint
         assert decide.planned_rows(hint, symbolic=True) == hint
 

@@ -380,7 +380,7 @@ def choose_site_mode(site: PlainSite, needs: tuple[bool, bool, bool]) -> str:
     if site.classifier_is_transposed:
         vocab, dim = dim, vocab
     operands = (p.tensor_value(site.hidden), classifier)
-    rows = decide.planned_rows(p.size_hint(site.rows) or 1, isinstance(site.rows, torch.SymInt))
+    rows = decide.planned_rows(*p.size_range(site.rows))
     device = operands[0].device.type
     dtypes = tuple(t.dtype for t in operands)
     compute = site.compute_dtype

@@ -274,6 +274,17 @@ def size_hint(size: Any) -> int | None:
     return int(size)
 
 
+def size_range(size: Any) -> tuple[int, bool, int | None]:
+    """A size's example value (1 if unbacked), whether it is symbolic, and the largest value it
+    may take (``mark_dynamic``'s max; None where unbounded), without adding a guard."""
+    if not isinstance(size, torch.SymInt):
+        return int(size), False, int(size)
+    import sympy
+
+    upper = size.node.shape_env.bound_sympy(size.node.expr).upper
+    return size_hint(size) or 1, True, int(upper) if isinstance(upper, sympy.Integer) else None
+
+
 def same_size(a: Any, b: Any) -> bool:
     """Sizes that are provably equal (ints or SymInts), without adding guards."""
     return _same_size(a, b)

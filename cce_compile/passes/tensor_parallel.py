@@ -357,7 +357,7 @@ def _site_mode(site: TensorParallelSite, needs: dict[str, bool]) -> str:
     hidden, classifier = p.tensor_value(site.hidden), p.tensor_value(site.classifier)
     ranks = sharding.group_size(site.shard.group_name)
     problem = policy.problem(
-        decide.planned_rows(p.size_hint(site.rows) or 1, isinstance(site.rows, torch.SymInt)),
+        decide.planned_rows(*p.size_range(site.rows)),
         (decide.shard_vocab(site.shard.size, ranks), p.size_hint(classifier.shape[1]) or 1),
         site.compute_dtype,
         hidden.device.type,

@@ -222,21 +222,27 @@ def test_dynamic_shapes_one_compile_for_new_sizes():
     assert outcome.rewritten >= 1 and not outcome.recompiled
 
 
-def test_a_symbolic_row_count_plans_the_mode_for_larger_calls():
-    """Eight rows of a 32768-class head leave no room for fast's chunks in the budget (lean);
-    a graph with symbolic sizes also runs the larger calls, where they fit (fast)."""
+@pytest.mark.parametrize(
+    ("sizes", "mode"),
+    [("static", "lean"), ("dynamic", "fast"), ("dynamic-at-most-500", "lean")],
+)
+def test_a_symbolic_row_count_plans_the_mode_for_larger_calls(sizes, mode):
+    """400 rows of a 4096-class head leave no room for fast's 1024-row floor in 1/5 of their
+    logits (lean); a graph with symbolic sizes also runs larger calls, and is planned for 16x
+    its example (fast fits there), but never for more rows than ``mark_dynamic`` allows."""
     from cce_compile.op.signature import FORWARD
 
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 8, 16, generator=gen, requires_grad=True)
-    w = torch.randn(32768, 16, generator=gen, requires_grad=True)
-    y = torch.randint(0, 32768, (1, 8), generator=gen)
-    modes = {}
-    for dynamic in (False, True):
-        gm, _ = dynamo_graph(loss, (x, w, y), dynamic=dynamic)
-        run_pass(gm.graph)
-        modes[dynamic] = [n.args[FORWARD.index("mode")] for n in gm.graph.nodes if n.target is OP]
-    assert modes == {False: ["lean"], True: ["fast"]}
+    x = torch.randn(1, 400, 16, generator=gen, requires_grad=True)
+    w = torch.randn(4096, 16, generator=gen, requires_grad=True)
+    y = torch.randint(0, 4096, (1, 400), generator=gen)
+    if sizes == "dynamic-at-most-500":
+        torch._dynamo.mark_dynamic(x, 1, min=2, max=500)
+        torch._dynamo.mark_dynamic(y, 1, min=2, max=500)
+    gm, _ = dynamo_graph(loss, (x, w, y), dynamic=True if sizes == "dynamic" else None)
+    run_pass(gm.graph)
+    modes = [n.args[FORWARD.index("mode")] for n in gm.graph.nodes if n.target is OP]
+    assert modes == [mode]
 
 
 def test_activation_checkpointing_subgraph():
