@@ -1,6 +1,7 @@
 """The demo's figure as an SVG file, written with the standard library alone, so that `make demo`
-installs nothing beside torch and cce_compile: matplotlib and its dependencies took ~30 s to
-install and ~3.5 s to draw, of a two-minute budget (2 cores, 2026-11-29).
+installs nothing beside torch and cce_compile: matplotlib and its dependencies took ~12 s to
+install (their layer with cce_compile ~30 s) and ~3.5 s to draw, of a two-minute budget
+(2 cores, 2026-11-29).
 
 Two panel kinds: ``line_panel`` (lines and dots over a linear or log y axis) and ``bar_panel``
 (bars, with points on a second y axis at the right). Each returns one ``<g>`` element as text;
