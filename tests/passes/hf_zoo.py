@@ -80,14 +80,16 @@ ZOO = {
 }
 
 
-def tiny(model_type: str, seed: int = 0) -> nn.Module:
-    """A tiny causal LM of ``model_type``, training mode, dropout off."""
+def tiny(model_type: str, seed: int = 0, *, layers: int | None = None) -> nn.Module:
+    """A tiny causal LM of ``model_type``, training mode, dropout off. ``layers``: decoder
+    layers instead of SIZES' one (0: embeddings, final norm, head and loss)."""
     import transformers
 
     config_class = transformers.CONFIG_MAPPING[model_type]
+    depth = {} if layers is None else {"num_hidden_layers": layers}
     sizes = {  # a config that derives a size (Falcon's head_dim) takes no value for it
         k: v
-        for k, v in {**SIZES, **EXTRAS.get(model_type, {})}.items()
+        for k, v in {**SIZES, **EXTRAS.get(model_type, {}), **depth}.items()
         if not isinstance(getattr(config_class, k, None), property)
     }
     config = config_class(**sizes)

@@ -156,8 +156,11 @@ def test_hugging_face_with_the_inductor_backend():
     """Inductor's code for a Hugging Face model's fused step (the other HF tests stop before
     code generation). OPT: a tied head, whose weight is also the embedding's (an untied head
     with a bias and a softcap under Inductor is test_backend.py's loss); gemma2, tied with a
-    softcap, took 6-11 s more to compile cold than Llama, OPT ~2 s less."""
-    model = hf_zoo.tiny("opt")
+    softcap, took 6-11 s more to compile cold than Llama, OPT ~2 s less. No decoder layer:
+    embeddings, final norm, head and HF's loss are what Inductor compiles around the op, and a
+    layer (attention, MLP, under test in the other HF tests) added 11 C++ kernels to its 5
+    (cold: ~40 s of CPU with g++'s, 17 s without)."""
+    model = hf_zoo.tiny("opt", layers=0)
     step = hf_zoo.step(model)
     assert check(step, batch(), backend="cce", parameters=model.parameters()).rewritten == 1
 
