@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fresh_process import run_in_forks
-from harness import check
+from harness import check, inductor_without_codegen
 
 import cce_compile
 
@@ -227,7 +227,8 @@ def test_watch_and_counters_take_back_an_abandoned_compile_attempt():
     x, _, _, y = small_inputs()
     torch._dynamo.reset()
     counters.clear()
-    with cce_compile.watch() as report:
+    # The attempts end before Inductor's code generation (its C++ for the norm: test_models.py)
+    with inductor_without_codegen(), cce_compile.watch() as report:
         torch.compile(_NormedHead(), backend="cce", dynamic=True)(x, y).backward()
     assert counters["stats"]["unique_graphs"] == 1
     assert (len(report.sites), report.graphs, len(report.rewritten)) == (1, 1, 1), str(report)
