@@ -8,6 +8,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from harness import inductor_without_codegen
 
 import cce_compile  # noqa: F401  (registers backend="cce")
 
@@ -23,7 +24,9 @@ def test_unsupported_op_message_does_not_mention_lora_without_peft(caplog):
 
     hidden = torch.randn(2, 5, dim, requires_grad=True)
     targets = torch.randint(0, vocab, (2, 5))
-    with caplog.at_level(logging.WARNING, logger="cce_compile"):
+    # The pass's message is under test, not Inductor's code for the unfused loss: the backend's
+    # Inductor compile stops before its code generation (one g++ build, ~2.5 s of CPU cold).
+    with inductor_without_codegen(), caplog.at_level(logging.WARNING, logger="cce_compile"):
         loss = torch.compile(step, backend="cce")(hidden, targets)
     torch.testing.assert_close(loss, step(hidden, targets))
     lines = [r.getMessage() for r in caplog.records if "left the cross-entropy" in r.getMessage()]
