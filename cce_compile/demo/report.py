@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import textwrap
 
@@ -152,8 +153,35 @@ def _first_above(baseline: RunResult, other: RunResult, limit: float) -> int | N
     return None
 
 
+def _first_non_finite(run: RunResult) -> int | None:
+    return next((step for step, loss in enumerate(run.losses) if not math.isfinite(loss)), None)
+
+
+def _diverged_text(comparison: Comparison) -> str | None:
+    """Where a run's loss stopped being finite, said instead of a comparison of the runs (their
+    differences are NaN from there on, and no verdict on the math follows from them)."""
+    runs = [r for r in (comparison.baseline, comparison.fused, comparison.control) if r is not None]
+    firsts = {run.name: _first_non_finite(run) for run in runs}
+    if all(step is None for step in firsts.values()):
+        return None
+    where = "; ".join(
+        f"{name}: {'finite throughout' if step is None else f'from step {step}'}"
+        for name, step in firsts.items()
+    )
+    return _paragraph(
+        "Exactness, step 0 (same initial weights, same batch): "
+        + _step_zero(comparison.step_zero)
+        + f". The losses stop being finite ({where}): training diverged (a learning rate too "
+        "large for this model?), so the runs are not compared further."
+    )
+
+
 def exactness_text(comparison: Comparison) -> str:
-    """Step 0's differences, the largest later one, and (with the control) why it grows."""
+    """Step 0's differences, the largest later one, and (with the control) why it grows; or
+    where training diverged."""
+    diverged = _diverged_text(comparison)
+    if diverged is not None:
+        return diverged
     base, fused, control = comparison.baseline, comparison.fused, comparison.control
     zero = comparison.step_zero
     largest, at = _largest(base, fused)

@@ -132,6 +132,17 @@ def tick_text(value: float, log: bool = False) -> str:
     return f"{value:.6g}"
 
 
+def tick_labels(values: Sequence[float], log: bool = False) -> list[str]:
+    """``tick_text`` of each value, with as many more digits as it takes to tell them apart
+    (ticks over a span far smaller than their size: two runs' nearly equal losses)."""
+    labels = [tick_text(v, log) for v in values]
+    for digits in range(7, 13):
+        if log or len(set(labels)) == len(labels):
+            break
+        labels = [f"{v:.{digits}g}" for v in values]
+    return labels
+
+
 def _text(x: float, y: float, content: str, size: int = FONT_SIZE, **attributes) -> str:
     extra = "".join(
         f" {name.replace('_', '-')}={quoteattr(str(v))}" for name, v in attributes.items()
@@ -165,13 +176,12 @@ def _y_ticks(plot: Box, scale: Scale, ticks: Sequence[float], right: bool = Fals
     x = plot.x + plot.width if right else plot.x
     direction = 1 if right else -1
     parts = []
-    for value in ticks:
+    for value, label in zip(ticks, tick_labels(ticks, scale.log)):
         y = scale(value)
         parts.append(
             f'<line x1="{x:.1f}" y1="{y:.1f}" x2="{x + 4 * direction:.1f}" y2="{y:.1f}" '
             'stroke="#000" stroke-width="0.8"/>'
         )
-        label = tick_text(value, scale.log)
         anchor = "start" if right else "end"
         parts.append(_text(x + 7 * direction, y + 3.5, label, FONT_SIZE - 1, text_anchor=anchor))
     return parts
@@ -210,13 +220,17 @@ def _series(series: Series, xscale: Scale, yscale: Scale) -> str:
             if p is not None
         )
         return f'<g class="series" data-label={label} fill="{series.color}">{dots}</g>'
-    commands, pen_down = [], False
-    for point in placed:
+    commands = []
+    for i, point in enumerate(placed):
         if point is None:
-            pen_down = False
             continue
-        commands.append(f"{'L' if pen_down else 'M'}{point[0]:.1f},{point[1]:.1f}")
-        pen_down = True
+        after = placed[i + 1] if i + 1 < len(placed) else None
+        if i > 0 and placed[i - 1] is not None:
+            commands.append(f"L{point[0]:.1f},{point[1]:.1f}")
+        elif after is None:  # a point with no neighbour drawn: a short dash, or it is not seen
+            commands.append(f"M{point[0] - 3:.1f},{point[1]:.1f} h6")
+        else:
+            commands.append(f"M{point[0]:.1f},{point[1]:.1f}")
     dash = ' stroke-dasharray="6 3"' if series.style == "dashed" else ""
     return (
         f'<path class="series" data-label={label} d="{" ".join(commands)}" fill="none" '
@@ -257,7 +271,7 @@ def _legend(plot: Box, series: Sequence[Series], drawn: list[tuple[float, float]
     """A key in the corner of the plot that hides the fewest ``drawn`` points (in pixels): each
     series' mark and label, one per line."""
     size = FONT_SIZE - 1
-    width = 34 + CHAR_WIDTH * size * max(len(s.label) for s in series)
+    width = 34 + CHAR_WIDTH * size * max(len(_legend_label(s)) for s in series)
     height = 6 + 14 * len(series)
     left, top = _legend_corner(plot, width, height, drawn)
     parts = [
@@ -276,8 +290,14 @@ def _legend(plot: Box, series: Sequence[Series], drawn: list[tuple[float, float]
                 f'<line x1="{left + 6:.1f}" y1="{y - 3:.1f}" x2="{left + 24:.1f}" '
                 f'y2="{y - 3:.1f}" stroke="{s.color}" stroke-width="1.4"{dash}/>'
             )
-        parts.append(_text(left + 29, y, s.label, size))
+        parts.append(_text(left + 29, y, _legend_label(s), size))
     return parts
+
+
+def _legend_label(series: Series) -> str:
+    """The series' label, and how many of its values are not finite (not drawn)."""
+    missing = sum(not math.isfinite(y) for y in series.ys)
+    return series.label + (f" ({missing} non-finite, not drawn)" if missing else "")
 
 
 def line_panel(
@@ -293,14 +313,14 @@ def line_panel(
     plot = box.inner()
     xs = [x for s in series for x, _ in s.points()]
     ys = [y for s in series for _, y in s.points()]
-    x_lo, x_hi = linear_range(xs)
+    x_lo, x_hi = linear_range(xs, include_zero=True)  # steps: from 0, not from -1 at one step
     xscale = Scale(x_lo, x_hi, plot.x, plot.x + plot.width)
     y_lo, y_hi = log_range(ys) if log else linear_range(ys)
     yscale = Scale(y_lo, y_hi, plot.y + plot.height, plot.y, log=log)
     x_ticks = linear_ticks(x_lo, x_hi, integer=all(float(x).is_integer() for x in xs))
     y_ticks = log_ticks(y_lo, y_hi) if log else linear_ticks(y_lo, y_hi)
     parts = _frame(box, plot, title, *labels)
-    parts += _x_ticks(plot, xscale, x_ticks, [tick_text(t) for t in x_ticks])
+    parts += _x_ticks(plot, xscale, x_ticks, tick_labels(x_ticks))
     parts += _y_ticks(plot, yscale, y_ticks)
     parts += [_series(s, xscale, yscale) for s in series]
     if series:

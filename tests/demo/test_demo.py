@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -280,3 +281,18 @@ def test_exactness_verdicts():
     apart = text(2e-2, 1e-6, fused_distance=1e-2, control_distance=1e-6)
     assert "look for a difference in the math" in apart
     assert "Both pairs agree to float32 rounding" in text(1e-6, 1e-6)
+
+
+def test_diverged_runs_are_said_to_have_diverged_not_compared():
+    """Losses that go NaN make every later difference NaN: the text says where each run stopped
+    being finite, and gives no verdict on the math."""
+    from cce_compile.demo.report import exactness_text
+
+    runs = _comparison(2e-2, 1e-2)
+    for run in (runs.baseline, runs.fused, runs.control):
+        run.losses[4:] = [math.nan] * 6
+    runs.fused.losses[3] = math.inf
+    text = " ".join(exactness_text(runs).split())
+    assert "training diverged" in text and "not compared further" in text
+    assert "torch.compile: from step 4; cce_compile: from step 3; control: from step 4" in text
+    assert "math" not in text and "nan" not in text

@@ -161,6 +161,36 @@ def test_empty_series_and_markup_in_labels():
     assert "a <title> & more" in texts(parse(text))
 
 
+def one_panel(lines: list[svg.Series]) -> ET.Element:
+    box = svg.Box(0, 0, 400, 300)
+    return parse(svg.figure(400, 300, [svg.line_panel(box, "p", "t", ("x", "y"), lines)]))
+
+
+def test_a_lone_point_is_drawn_and_the_steps_axis_starts_at_zero():
+    """One step: each run's loss is a short dash (a path's lone point draws nothing), and the
+    steps' axis runs from 0, not from -1."""
+    losses = panel(parse(report.figure(META, comparison(steps=1, control=False))), "losses")
+    for path in series(losses).values():
+        assert re.fullmatch(r"M[\d.]+,[\d.]+ h6", path.get("d")), path.get("d")
+    assert "-1" not in texts(losses) and "0" in texts(losses)
+    gap = series(one_panel([svg.Series("gap", [1.0, math.nan, 2.0, 3.0], "#000")]))["gap"]
+    assert [len(piece) for piece in vertices(gap)] == [1, 2]
+
+
+def test_ticks_over_nearly_equal_values_have_distinct_labels():
+    """Two runs' losses a few millionths apart: the y ticks are told apart."""
+    assert svg.tick_labels([10.40640, 10.40641, 10.40642]) == ["10.4064", "10.40641", "10.40642"]
+    root = one_panel([svg.Series("loss", [10.406401, 10.406402, 10.406403], "#000")])
+    labels = [t for t in texts(root) if re.fullmatch(r"\d+\.\d+", t)]
+    assert len(labels) >= 2 and len(set(labels)) == len(labels), labels
+
+
+def test_the_legend_counts_the_values_it_cannot_draw():
+    lines = [svg.Series("loss", [1.0, math.nan, math.inf], "#000"), svg.Series("ok", [1.0], "#111")]
+    legend = texts(one_panel(lines))
+    assert "loss (2 non-finite, not drawn)" in legend and "ok" in legend
+
+
 @pytest.mark.parametrize(
     "lo, hi, integer, expected",
     [
