@@ -6,6 +6,7 @@ Reads the committed results (``bench/results/loss_head.json``, transcribed from 
 (filled) and B (hollow), torch.compile at (1, 1). The title and caption name the device, the
 versions, the dates and the commits from the data file, so a new run needs only new rows there.
 
+    .venv/bin/python -m pip install -e ".[bench]"    # matplotlib
     .venv/bin/python bench/plot.py
     .venv/bin/python bench/plot.py --data bench/results/loss_head.json --out docs/performance.png
 """
