@@ -20,6 +20,7 @@ import atexit  # noqa: E402
 import gc  # noqa: E402
 import sys  # noqa: E402
 
+import file_order  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -40,6 +41,16 @@ def pytest_addoption(parser):
         default=None,
         help="hypothesis examples per fuzzing test (default: the CI budget set in each test)",
     )
+    parser.addoption(
+        "--record-file-seconds",
+        action="store_true",
+        help="write each test file's seconds to tests/file_seconds.json (file_order.py)",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("--record-file-seconds") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(file_order.Recorder(), "file_seconds_recorder")
 
 
 _MULTIPROCESS_DIR = pathlib.Path(__file__).parent / "distributed"
@@ -92,17 +103,26 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    distributed = _MULTIPROCESS_DIR.relative_to(config.rootpath).as_posix() + "/"
+    unit_of = _unit_of(config)
+    # The queue in the workers' collection order, which file_order.py sorted costliest first.
+    config.option.loadscopereorder = False
 
     class DistributedTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            scope = super()._split_scope(nodeid)
-            return distributed if scope.startswith(distributed) else scope
+            return unit_of(super()._split_scope(nodeid))
 
     return DistributedTogether(config, log)
 
 
+def _unit_of(config):
+    """A test file's unit of work under ``--dist loadfile``: tests/distributed is one."""
+    distributed = _MULTIPROCESS_DIR.relative_to(config.rootpath).as_posix() + "/"
+    return lambda name: distributed if name.startswith(distributed) else name
+
+
 def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput") and config.getvalue("dist") == "loadfile":
+        file_order.costliest_first(items, _unit_of(config))
     # The tests that start groups of processes (tests/distributed/) are marked, to run them
     # apart (-m multiprocess) or leave them out; `make test` runs them among the others.
     multiprocess = pytest.mark.multiprocess
