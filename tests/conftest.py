@@ -121,7 +121,7 @@ def _unit_of(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if hasattr(config, "workerinput") and config.getvalue("dist") == "loadfile":
+    if hasattr(config, "workerinput"):  # an xdist worker (its "dist" option reads "no")
         file_order.costliest_first(items, _unit_of(config))
     # The tests that start groups of processes (tests/distributed/) are marked, to run them
     # apart (-m multiprocess) or leave them out; `make test` runs them among the others.

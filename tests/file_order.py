@@ -6,10 +6,10 @@ long tests last: in one cold run a worker ran alone for the last 32 s (a 27 s fi
 tests began near the end). Taken longest first, the last units are short and both workers end
 together.
 
-The cost of a unit is its seconds in a recorded run, ``file_seconds.json`` beside this file
-(written by ``make test PYTEST_ARGS=--record-file-seconds``). A file
-that is not in it goes first, as the one whose cost is unknown. The order is only a schedule:
-every file still runs, and its tests in their own order.
+The cost of a unit is its files' seconds in a recorded run, ``file_seconds.json`` beside this
+file (written by ``make test PYTEST_ARGS=--record-file-seconds``). A file that is not in it
+goes first, as the one whose cost is unknown. The order is only a schedule: every file still
+runs, and its tests in their own order.
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ def costliest_first(items: list[pytest.Item], unit_of) -> None:
 
 class Recorder:
     """Sums each file's reported seconds (set-up, call and tear-down of every test) where the
-    reports arrive (xdist's controller) and writes them when the run ends."""
+    reports arrive (xdist's controller) and writes them when the run ends, over the recorded
+    seconds of the files that did not run (a run of some files keeps the others'); a file
+    that no longer exists is dropped."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -64,5 +66,7 @@ class Recorder:
         self.seconds[name] = self.seconds.get(name, 0.0) + report.duration
 
     def pytest_sessionfinish(self, session) -> None:
-        rounded = {name: round(s, 1) for name, s in sorted(self.seconds.items())}
-        SECONDS_FILE.write_text(json.dumps(rounded, indent=1) + "\n")
+        merged = recorded_seconds() | self.seconds
+        root = session.config.rootpath
+        kept = {name: round(s, 1) for name, s in sorted(merged.items()) if (root / name).exists()}
+        SECONDS_FILE.write_text(json.dumps(kept, indent=1) + "\n")
