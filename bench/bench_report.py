@@ -51,7 +51,11 @@ def markdown(results):
 
 
 def plot(shape, path):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the tables still get written; the figures need the bench extra
+        print(f"{path.name} not drawn: matplotlib is not installed (pip install -e '.[bench]')")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -48,9 +48,23 @@ def pytest_addoption(parser):
     )
 
 
+_FILE_SECONDS = pytest.StashKey[dict]()
+
+
 def pytest_configure(config):
-    if config.getoption("--record-file-seconds") and not hasattr(config, "workerinput"):
-        config.pluginmanager.register(file_order.Recorder(), "file_seconds_recorder")
+    if hasattr(config, "workerinput"):
+        return
+    recording = config.getoption("--record-file-seconds")
+    if recording or getattr(config.option, "numprocesses", None):
+        config.stash[_FILE_SECONDS] = file_order.recorded_seconds()  # read once, for every worker
+    if recording:
+        file_order.refuse_partial_runs(config)
+        config.pluginmanager.register(file_order.Recorder(config), "file_seconds_recorder")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    node.workerinput["file_seconds"] = node.config.stash.get(_FILE_SECONDS, {})
 
 
 _MULTIPROCESS_DIR = pathlib.Path(__file__).parent / "distributed"
@@ -116,13 +130,13 @@ def pytest_xdist_make_scheduler(config, log):
 
 def _unit_of(config):
     """A test file's unit of work under ``--dist loadfile``: tests/distributed is one."""
-    distributed = _MULTIPROCESS_DIR.relative_to(config.rootpath).as_posix() + "/"
+    distributed = pathlib.Path(os.path.relpath(_MULTIPROCESS_DIR, config.rootpath)).as_posix() + "/"
     return lambda name: distributed if name.startswith(distributed) else name
 
 
 def pytest_collection_modifyitems(config, items):
     if hasattr(config, "workerinput"):  # an xdist worker (its "dist" option reads "no")
-        file_order.costliest_first(items, _unit_of(config))
+        file_order.costliest_first(items, _unit_of(config), config.workerinput["file_seconds"])
     # The tests that start groups of processes (tests/distributed/) are marked, to run them
     # apart (-m multiprocess) or leave them out; `make test` runs them among the others.
     multiprocess = pytest.mark.multiprocess
