@@ -136,7 +136,8 @@ def _unit_of(config):
 
 def pytest_collection_modifyitems(config, items):
     if hasattr(config, "workerinput"):  # an xdist worker (its "dist" option reads "no")
-        file_order.costliest_first(items, _unit_of(config), config.workerinput["file_seconds"])
+        seconds = config.workerinput["file_seconds"]
+        file_order.costliest_first(items, _unit_of(config), seconds, config.rootpath)
     # The tests that start groups of processes (tests/distributed/) are marked, to run them
     # apart (-m multiprocess) or leave them out; `make test` runs them among the others.
     multiprocess = pytest.mark.multiprocess

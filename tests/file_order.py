@@ -42,28 +42,31 @@ def recorded_seconds() -> dict[str, float]:
     return seconds
 
 
+def id_file(nodeid: str) -> str:
+    """The file part of a test id, relative to the rootdir as the id is."""
+    return nodeid.split("::", 1)[0]
+
+
 def file_of(nodeid: str, rootpath: pathlib.Path) -> str:
-    """The file of a test id, relative to the repository (test ids are relative to the
-    rootdir)."""
-    return pathlib.Path(os.path.relpath(rootpath / nodeid.split("::", 1)[0], REPO)).as_posix()
+    """The file of a test id, relative to the repository (the json's names)."""
+    return pathlib.Path(os.path.relpath(rootpath / id_file(nodeid), REPO)).as_posix()
 
 
-def costliest_first(items: list[pytest.Item], unit_of, seconds: dict[str, float]) -> None:
+def costliest_first(
+    items: list[pytest.Item], unit_of, seconds: dict[str, float], rootpath: pathlib.Path
+) -> None:
     """Sorts ``items`` in place by their unit's recorded ``seconds``, longest first; ``unit_of``
     maps a test id's file to its unit of work. A unit's items keep their order and stay together."""
-    if not items:
-        return
-    rootpath = items[0].config.rootpath
     unit_seconds: dict[str, float] = {}
     first_seen: dict[str, int] = {}
-    for index, name in enumerate(dict.fromkeys(item.nodeid.split("::", 1)[0] for item in items)):
+    for index, name in enumerate(dict.fromkeys(id_file(item.nodeid) for item in items)):
         unit = unit_of(name)
         cost = seconds.get(file_of(name, rootpath), math.inf)
         unit_seconds[unit] = unit_seconds.get(unit, 0.0) + cost
         first_seen.setdefault(unit, index)
 
     def key(item):
-        unit = unit_of(item.nodeid.split("::", 1)[0])
+        unit = unit_of(id_file(item.nodeid))
         return (-unit_seconds[unit], first_seen[unit])
 
     items.sort(key=key)
