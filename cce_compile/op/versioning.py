@@ -1,4 +1,5 @@
-"""The implementation version: a hash of the sources that define what the ops compute.
+"""The implementation version: a hash of the sources that define what the ops compute, and of
+the pass that puts them in graphs.
 
 PyTorch's AOTAutograd and FX graph caches key a custom op by its name and arguments only, not
 by its autograd formula or kernels. Every caller passes ``IMPLEMENTATION_VERSION`` as the op's
@@ -14,7 +15,9 @@ import pathlib
 _PACKAGE = pathlib.Path(__file__).parent.parent
 # What defines the ops: these folders, and the package's top-level modules but those below
 # (the public function and the graph pass's plumbing do not change what the op computes).
-_OP_FOLDERS = ("op", "implementations", "kernels")
+# The pass is in: what a rewritten graph saves for its backward rests on node tags that the
+# caches' keys (the graph's code) do not see.
+_OP_FOLDERS = ("op", "implementations", "kernels", "passes")
 _NOT_OP_SOURCES = {"compile_backend.py", "_autoenable.py", "__init__.py", "functional.py"}
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
+from torch.utils.checkpoint import CheckpointPolicy
 
 from . import predicates as p
 from . import safety
@@ -84,22 +85,31 @@ def _fake_mode(graph: Graph, anchor: Node) -> Any:
 
 
 def rows_of_hidden(emit: Emitter, hidden: Node, site: Site) -> Node:
-    """``hidden`` with the site's row slices replayed: the rows the loss reads."""
+    """``hidden`` with the site's row slices replayed: the rows the loss reads (views, each
+    recomputed in the backward: see ``recomputed``)."""
     for index in site.row_indices:
-        hidden = emit(operator.getitem, hidden, index)
+        hidden = recomputed(emit(operator.getitem, hidden, index))
     return hidden
 
 
+def recomputed(view: Node) -> Node:
+    """``view`` tagged for recompute: the backward saves the viewed tensor and views it again.
+    Inductor returns a saved view of a graph input as an alias without the input's version
+    counter, so an in-place write to that input before the backward would go unnoticed."""
+    view.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    return view
+
+
 def canonical_hidden(emit: Emitter, hidden: Node) -> Node:
-    """hidden (..., D) -> (B, T, D), a view: rows keep their order."""
+    """hidden (..., D) -> (B, T, D), a view (``recomputed``): rows keep their order."""
     ndim = p.tensor_value(hidden).dim()
     if ndim == 1:
-        return emit(aten.view.default, hidden, [1, 1, -1])
+        return recomputed(emit(aten.view.default, hidden, [1, 1, -1]))
     if ndim == 2:
-        return emit(aten.unsqueeze.default, hidden, 0)
+        return recomputed(emit(aten.unsqueeze.default, hidden, 0))
     if ndim == 3:
         return hidden
-    return emit(aten.flatten.using_ints, hidden, 0, ndim - 3)
+    return recomputed(emit(aten.flatten.using_ints, hidden, 0, ndim - 3))
 
 
 def targets_as_rows(emit: Emitter, targets: Node, hidden: Node) -> Node:

@@ -281,3 +281,16 @@ def test_a_stale_graph_calling_an_op_fails_loudly():
     with pytest.raises(RuntimeError, match="cce::vocab_parallel_cross_entropy was called with"):
         vocab_parallel_ops.check_version(vocab_parallel_ops.IMPLEMENTATION_VERSION ^ 1)
     versioning.check(versioning.IMPLEMENTATION_VERSION)  # the current version passes
+
+
+def test_the_version_covers_the_pass_whose_tags_the_cache_keys_do_not_see():
+    # The pass tags nodes for recompute (passes/emit.canonical_hidden); the caches key on the
+    # graph's code only, so only the version argument can keep a graph of another pass out.
+    import pathlib
+
+    from cce_compile.op import versioning
+
+    folders = {path.parent.name for path in versioning.op_sources()}
+    assert {"op", "implementations", "kernels", "passes"} <= folders
+    emit = next(p for p in versioning.op_sources() if p.name == "emit.py")
+    assert emit.parent == pathlib.Path(versioning.__file__).parent.parent / "passes"
