@@ -32,44 +32,49 @@ def _shifted_loss(hidden, classifier, targets):  # the row slice moves onto hidd
     return F.cross_entropy(logits.flatten(0, 1), targets[:, 1:].flatten(), ignore_index=-100)
 
 
-@pytest.mark.parametrize(
-    "written, hidden_shape, loss_fn",
-    [
-        ("hidden", (ROWS, D), _flat_loss),
-        ("hidden", (2, 4, ROWS // 8, D), _flat_loss),
-        ("hidden", (2, ROWS // 2, D), _shifted_loss),
-        ("classifier", (ROWS, D), _flat_loss),
-        (None, (ROWS, D), _flat_loss),
-        (None, (2, ROWS // 2, D), _shifted_loss),
-    ],
-    ids=["hidden-2d", "hidden-4d", "hidden-shifted", "classifier", "nothing-2d", "nothing-shifted"],
-)
-def test_lean_mode_through_the_pass_refuses_an_in_place_write_before_backward(
-    written, hidden_shape, loss_fn
-):
+# form -> (hidden's shape, the loss): each compiled once, then called on fresh inputs
+FORMS = {
+    "hidden-2d": ((ROWS, D), _flat_loss),
+    "hidden-4d": ((2, 4, ROWS // 8, D), _flat_loss),
+    "hidden-shifted": ((2, ROWS // 2, D), _shifted_loss),
+}
+
+
+def _inputs(shape):
     gen = torch.Generator().manual_seed(0)
     classifier = torch.randn(V, D, generator=gen).requires_grad_()
-    hidden = torch.randn(hidden_shape, generator=gen).requires_grad_()
-    targets = torch.randint(0, V, hidden_shape[:-1], generator=gen)
+    hidden = torch.randn(shape, generator=gen).requires_grad_()
+    targets = torch.randint(0, V, shape[:-1], generator=gen)
     targets.view(-1)[:7] = -100
-    h, c = hidden * 1.0, classifier * 1.0  # non-leaves: writable in place
+    return hidden, classifier, targets
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_lean_mode_through_the_pass_refuses_an_in_place_write_before_backward(form):
+    shape, loss_fn = FORMS[form]
     torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, backend="cce")
+    written = ["hidden", "classifier"] if form == "hidden-2d" else ["hidden"]
     with config.override(mode="lean"), cce_compile.watch() as report:
-        loss = torch.compile(loss_fn, backend="cce")(h, c, targets)
-    assert len(report.rewritten) == 1, str(report)
-    if written is None:  # the recompute tag changes what is saved, not what is computed
-        loss.backward()
+        # Unwritten: the recompute tags change what is saved, not what is computed.
+        hidden, classifier, targets = _inputs(shape)
+        compiled(hidden * 1.0, classifier * 1.0, targets).backward()
         hidden64 = hidden.detach().double().requires_grad_()
         classifier64 = classifier.detach().double().requires_grad_()
         want = loss_fn(hidden64, classifier64, targets)
         want.backward()
-        assert_close("loss", loss.detach(), want.detach(), LOSS_RTOL[torch.float32])
-        assert_close("grad hidden", hidden.grad, hidden64.grad, GRAD_RTOL[torch.float32])
-        assert_close(
-            "grad classifier", classifier.grad, classifier64.grad, GRAD_RTOL[torch.float32]
-        )
-        return
-    with torch.no_grad():
-        (h if written == "hidden" else c).mul_(3.0)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        loss.backward()
+        for name, got, expected in [
+            ("grad hidden", hidden.grad, hidden64.grad),
+            ("grad classifier", classifier.grad, classifier64.grad),
+        ]:
+            assert_close(name, got, expected, GRAD_RTOL[torch.float32])
+        for name in written:
+            hidden, classifier, targets = _inputs(shape)
+            h, c = hidden * 1.0, classifier * 1.0  # non-leaves: writable in place
+            loss = compiled(h, c, targets)
+            assert_close("loss", loss.detach(), want.detach().float(), LOSS_RTOL[torch.float32])
+            with torch.no_grad():
+                (h if name == "hidden" else c).mul_(3.0)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                loss.backward()
+    assert len(report.rewritten) == 1, str(report)  # one compile served every call
