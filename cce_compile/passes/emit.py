@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy
 
 from . import predicates as p
@@ -85,31 +86,54 @@ def _fake_mode(graph: Graph, anchor: Node) -> Any:
 
 
 def rows_of_hidden(emit: Emitter, hidden: Node, site: Site) -> Node:
-    """``hidden`` with the site's row slices replayed: the rows the loss reads (views, each
-    recomputed in the backward: see ``recomputed``)."""
+    """``hidden`` with the site's row slices replayed: the rows the loss reads."""
     for index in site.row_indices:
-        hidden = recomputed(emit(operator.getitem, hidden, index))
+        hidden = emit(operator.getitem, hidden, index)
     return hidden
 
 
-def recomputed(view: Node) -> Node:
-    """``view`` tagged for recompute: the backward saves the viewed tensor and views it again.
-    Inductor returns a saved view of a graph input as an alias without the input's version
-    counter, so an in-place write to that input before the backward would go unnoticed."""
-    view.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-    return view
+def save_inputs_not_views(op: Node) -> None:
+    """Tag for recompute each view between a graph input and a tensor argument of ``op``, so
+    that the backward saves the input itself and views it again. Inductor returns a saved view
+    of an input as an alias without the input's version counter: an in-place write to the
+    input between the loss and its backward would go unnoticed, and lean mode's recompute
+    would read the written values. (A copy, e.g. the reshape of a transposed tensor, breaks
+    the chain: the op then saves its own copy, as eager's linear does.)"""
+    for argument in op.all_input_nodes:
+        for view in _views_of_an_input(argument):
+            view.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _views_of_an_input(node: Node) -> list[Node]:
+    """The nodes from ``node`` back to a graph input, each sharing its input's storage; none
+    if the chain ends elsewhere (a computed tensor: nothing outside the graph can write it)."""
+    chain: list[Node] = []
+    while node.op != "placeholder":
+        parent = next((a for a in node.all_input_nodes if _same_storage(a, node)), None)
+        if parent is None:
+            return []
+        chain.append(node)
+        node = parent
+    return chain
+
+
+def _same_storage(a: Node, b: Node) -> bool:
+    x, y = p.tensor_value(a), p.tensor_value(b)
+    if x is None or y is None or p.is_dtensor(x) or p.is_dtensor(y):
+        return False
+    return StorageWeakRef(x.untyped_storage()) == StorageWeakRef(y.untyped_storage())
 
 
 def canonical_hidden(emit: Emitter, hidden: Node) -> Node:
-    """hidden (..., D) -> (B, T, D), a view (``recomputed``): rows keep their order."""
+    """hidden (..., D) -> (B, T, D), a view: rows keep their order."""
     ndim = p.tensor_value(hidden).dim()
     if ndim == 1:
-        return recomputed(emit(aten.view.default, hidden, [1, 1, -1]))
+        return emit(aten.view.default, hidden, [1, 1, -1])
     if ndim == 2:
-        return recomputed(emit(aten.unsqueeze.default, hidden, 0))
+        return emit(aten.unsqueeze.default, hidden, 0)
     if ndim == 3:
         return hidden
-    return recomputed(emit(aten.flatten.using_ints, hidden, 0, ndim - 3))
+    return emit(aten.flatten.using_ints, hidden, 0, ndim - 3)
 
 
 def targets_as_rows(emit: Emitter, targets: Node, hidden: Node) -> Node:

@@ -31,6 +31,7 @@ from .emit import (
     loss_target_path,
     loss_value,
     rows_of_hidden,
+    save_inputs_not_views,
     shape_of,
     targets_as_rows,
 )
@@ -422,6 +423,7 @@ def _rewrite(graph: Graph, site: PlainSite) -> Node:
     emit = Emitter(graph, site.anchor)
     rows = rows_of_hidden(emit, _operand(emit, site.hidden, site), site)
     op = emit(OP, *_op_arguments(emit, site, rows))
+    save_inputs_not_views(op)
     if safety.live_users(site.loss):  # (an entropy's site has no loss to give)
         site.loss.replace_all_uses_with(loss_value(Emitter(graph, site.loss), site, op))
     _serve_users(emit, site, op, rows, "lse", site.lse_users, site.lse_shapes)
