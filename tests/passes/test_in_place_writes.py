@@ -5,8 +5,8 @@ Through the pass in lean mode, with Inductor's generated code: the rewritten cal
 its inputs (a hidden that is not 3-D as (B, T, D), the logits' row slice moved onto hidden, the
 targets reshaped to the rows, the user's own views). Were such a view saved for the backward's
 recompute, Inductor's code would return it as an alias without the input's version counter: the
-write would go unnoticed, and the gradients would be those of the written values (1e15 instead
-of 0.2 after ``h.mul_(3)``). The pass tags every view between a graph input and the op for
+write would go unnoticed, and the gradients would be wrong (1e15 instead of 0.2 after
+``h.mul_(3)``). The pass tags every view between a graph input and the op for
 recompute (passes/emit.save_inputs_not_views), so the input itself is saved and checked."""
 
 from __future__ import annotations
