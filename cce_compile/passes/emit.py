@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy
 
 from . import predicates as p
@@ -107,43 +106,18 @@ def save_inputs_not_views(op: Node) -> None:
 def _views_of_an_input(node: Node) -> list[Node]:
     """The nodes from ``node`` back to a graph input, each sharing its input's storage; none
     if the chain ends elsewhere (a computed tensor: nothing outside the graph can write it) or
-    passes an in-place op: the graph writes the input itself, after which the saved input
-    would fail its own version check."""
+    passes an in-place write (``h += 1``): the graph writes the input itself, after which the
+    saved input would fail its own version check."""
     chain: list[Node] = []
     while node.op != "placeholder":
-        parent = next((a for a in node.all_input_nodes if _same_storage(a, node)), None)
-        if parent is None or _writes_in_place(node, parent):
+        key = safety.storage(node)
+        sharing = [a for a in node.all_input_nodes if key is not None and safety.storage(a) == key]
+        parent = sharing[0] if sharing else None
+        if parent is None or parent in safety.written_operands(node):
             return []
         chain.append(node)
         node = parent
     return chain
-
-
-def _writes_in_place(node: Node, parent: Node) -> bool:
-    """Does ``node`` write ``parent`` in place (``h.mul_(2)``, ``h += 1``)? Such a node has
-    an in-place name, or Dynamo gave it its input's own example value."""
-    if node.target in _OPERATOR_IN_PLACE:
-        return True
-    target = node.target
-    name = target if isinstance(target, str) else getattr(target, "_opname", None)
-    name = name or getattr(target, "__name__", "")
-    if (name.endswith("_") and not name.endswith("__")) or name.startswith("__i"):
-        return True
-    return p.tensor_value(node) is p.tensor_value(parent)
-
-
-_OPERATOR_IN_PLACE = frozenset(
-    getattr(operator, name)
-    for name in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul")
-    + ("iand", "ior", "ixor", "ilshift", "irshift")
-)
-
-
-def _same_storage(a: Node, b: Node) -> bool:
-    x, y = p.tensor_value(a), p.tensor_value(b)
-    if x is None or y is None or p.is_dtensor(x) or p.is_dtensor(y):
-        return False
-    return StorageWeakRef(x.untyped_storage()) == StorageWeakRef(y.untyped_storage())
 
 
 def canonical_hidden(emit: Emitter, hidden: Node) -> Node:
