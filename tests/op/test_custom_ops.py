@@ -284,7 +284,7 @@ def test_a_stale_graph_calling_an_op_fails_loudly():
 
 
 def test_the_version_covers_the_pass_whose_tags_the_cache_keys_do_not_see():
-    # The pass tags nodes for recompute (passes/emit.canonical_hidden); the caches key on the
+    # The pass tags nodes for recompute (passes/emit.save_inputs_not_views); the caches key on
     # graph's code only, so only the version argument can keep a graph of another pass out.
     import pathlib
 
